@@ -1,0 +1,249 @@
+"""The decoder-only transformer (Llama / Qwen2 / Qwen3), written with Flax linen.
+
+Shapes: B = batch, T = new tokens in this call, S = KV-cache slots, D = hidden,
+H / K = query / key-value heads, Dh = head dim, F = MLP width, V = vocab, L = layers.
+
+One forward serves training, prefill and decode:
+
+- without a cache, token t attends to tokens s <= t of the same row whose
+  `token_mask` is set (ragged batches, left or right padding);
+- with a cache, the T new tokens are written at slots [index, index + T) and
+  attend to every earlier slot whose `kv_mask` is set.
+
+Positions are explicit ([B, T] int32) so left-padded prompts get the same RoPE
+phases as unpadded ones. Layers are stacked and run with `nn.scan`, so compile
+time does not grow with depth.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from rljax.models.config import ModelConfig
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class KVCache(NamedTuple):
+  """Preallocated keys and values of every layer.
+
+  k, v: [L, B, S, K, Dh] in the compute dtype; kv_mask: [B, S] bool (slot holds a real
+  token); index: [] int32, the next slot to write. Memory: 2 * L * B * S * K * Dh * bytes.
+  """
+  k: jax.Array
+  v: jax.Array
+  kv_mask: jax.Array
+  index: jax.Array
+
+  @classmethod
+  def zeros(cls, config: ModelConfig, batch: int, slots: int) -> "KVCache":
+    shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
+    return cls(jnp.zeros(shape, config.compute_dtype), jnp.zeros(shape, config.compute_dtype),
+               jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32))
+
+
+def _param(module: nn.Module, name: str, init, shape, axes, dtype):
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  axis_name: str = "norm"
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (scale.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+  """[Dh/2] inverse frequencies, with Llama 3 scaling when configured."""
+  dh = config.head_dim
+  inv = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  rs = config.rope_scaling
+  if rs is None:
+    return inv
+  low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+  high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  scaled = jnp.where(wavelen > low_wavelen, inv / rs.factor, inv)
+  smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+      rs.high_freq_factor - rs.low_freq_factor)
+  mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
+  is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(is_mid, mid, scaled)
+
+
+def rope_tables(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """cos, sin: [B, T, Dh] float32 for positions [B, T] (HF half-split layout)."""
+  freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(config)
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x: [B, T, heads, Dh]; rotation computed in float32 like the reference implementation."""
+  x32 = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, cos, sin, mask, layer_cache):
+    """x: [B, T, D]; mask: [B, T, S] bool; layer_cache: (k, v) [B, S, K, Dh] or None."""
+    c = self.config
+    dt, pdt = c.compute_dtype, c.storage_dtype
+    init = nn.initializers.normal(0.02)
+    d, h, k, dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+
+    def proj(name, heads, axis):
+      w = _param(self, f"{name}_kernel", init, (d, heads, dh), ("embed", axis, "head_dim"), pdt)
+      y = jnp.einsum("btd,dhk->bthk", x, w.astype(dt))
+      if c.attention_bias:
+        b = _param(self, f"{name}_bias", nn.initializers.zeros, (heads, dh), (axis, "head_dim"), pdt)
+        y = y + b.astype(dt)
+      return y
+
+    q, key, val = proj("q", h, "heads"), proj("k", k, "kv_heads"), proj("v", k, "kv_heads")
+    if c.qk_norm:
+      q = RMSNorm(c.rms_norm_eps, "head_dim", pdt, name="q_norm")(q)
+      key = RMSNorm(c.rms_norm_eps, "head_dim", pdt, name="k_norm")(key)
+    q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+
+    new_cache = None
+    if layer_cache is not None:
+      ck, cv, index = layer_cache
+      ck = jax.lax.dynamic_update_slice_in_dim(ck, key.astype(ck.dtype), index, axis=1)
+      cv = jax.lax.dynamic_update_slice_in_dim(cv, val.astype(cv.dtype), index, axis=1)
+      new_cache = (ck, cv)
+      key, val = ck.astype(dt), cv.astype(dt)
+
+    b, t = x.shape[:2]
+    qg = q.reshape(b, t, k, h // k, dh)
+    scores = jnp.einsum("btkrd,bskd->bkrts", qg, key, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(dh)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkrts,bskd->btkrd", probs, val).reshape(b, t, h, dh)
+    wo = _param(self, "o_kernel", init, (h, dh, d), ("heads", "head_dim", "embed"), pdt)
+    return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_cache
+
+
+class MLP(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    dt, pdt = c.compute_dtype, c.storage_dtype
+    init = nn.initializers.normal(0.02)
+    gate = _param(self, "gate_kernel", init, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pdt)
+    up = _param(self, "up_kernel", init, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pdt)
+    down = _param(self, "down_kernel", init, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), pdt)
+    hidden = jax.nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
+    return hidden @ down.astype(dt)
+
+
+class DecoderLayer(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, layer_cache, cos, sin, mask, index):
+    c = self.config
+    cache_in = None if layer_cache is None else (layer_cache[0], layer_cache[1], index)
+    h = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype, name="input_norm")(x)
+    attn, new_cache = Attention(c, name="attn")(h, cos, sin, mask, cache_in)
+    x = x + attn
+    h = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype, name="post_attn_norm")(x)
+    x = x + MLP(c, name="mlp")(h)
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    return x, new_cache
+
+
+class Transformer(nn.Module):
+  """Decoder-only LM. Call returns (logits or hidden, new cache or None)."""
+  config: ModelConfig
+
+  def setup(self):
+    c = self.config
+    self.embed = _param(self, "embedding", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
+                        ("vocab", "embed"), c.storage_dtype)
+    layer = DecoderLayer
+    if c.remat:
+      layer = nn.remat(DecoderLayer, prevent_cse=False, static_argnums=())
+    self.layers = nn.scan(
+        layer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        length=c.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(c, name="layers")
+    self.final_norm = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype, name="final_norm")
+    if not c.tie_word_embeddings:
+      self.lm_head = _param(self, "lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size),
+                            ("embed", "vocab"), c.storage_dtype)
+
+  def output_kernel(self) -> jax.Array:
+    """[D, V] projection from final hidden states to logits."""
+    return self.embed.T if self.config.tie_word_embeddings else self.lm_head
+
+  def __call__(self, tokens, positions, token_mask=None, cache: KVCache | None = None, *, return_hidden=False):
+    """tokens, positions: [B, T] int32; token_mask: [B, T] bool (default all valid).
+
+    Returns (out, new_cache): out is [B, T, V] float32 logits, or the final-normed
+    hidden states [B, T, D] in the compute dtype when `return_hidden` (for chunked
+    log-probs); new_cache is None when no cache was given.
+    """
+    c = self.config
+    b, t = tokens.shape
+    if token_mask is None:
+      token_mask = jnp.ones((b, t), bool)
+    x = jnp.take(self.embed, tokens, axis=0).astype(c.compute_dtype)
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    cos, sin = rope_tables(positions, c)
+
+    if cache is None:
+      causal = jnp.tril(jnp.ones((t, t), bool))
+      mask = causal[None] & token_mask[:, None, :]
+      layer_caches, index = None, jnp.zeros((), jnp.int32)
+    else:
+      s = cache.kv_mask.shape[1]
+      index = cache.index
+      kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.kv_mask, token_mask, index, axis=1)
+      slots = jnp.arange(s)[None, :]
+      query_slots = index + jnp.arange(t)[:, None]
+      mask = (slots <= query_slots)[None] & kv_mask[:, None, :]
+      layer_caches = (cache.k, cache.v)
+
+    x, new_layers = self.layers(x, layer_caches, cos, sin, mask, index)
+    x = self.final_norm(x)
+    new_cache = None
+    if cache is not None:
+      new_cache = KVCache(new_layers[0], new_layers[1], kv_mask, index + t)
+    if return_hidden:
+      return x, new_cache
+    logits = jnp.einsum("btd,dv->btv", x, self.output_kernel().astype(c.compute_dtype),
+                        preferred_element_type=jnp.float32)
+    return logits, new_cache
+
+  def hidden_to_logits(self, hidden):
+    """[..., D] -> [..., V] float32 logits."""
+    return jnp.einsum("...d,dv->...v", hidden, self.output_kernel().astype(self.config.compute_dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def positions_from_mask(token_mask: jax.Array) -> jax.Array:
+  """[B, T] bool -> [B, T] int32 positions counting only real tokens (0 on leading pads)."""
+  return jnp.maximum(jnp.cumsum(token_mask.astype(jnp.int32), axis=-1) - 1, 0)
