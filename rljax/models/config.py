@@ -115,6 +115,9 @@ class ModelConfig:
                               int(rope["original_max_position_embeddings"]))
       elif rope_type not in (None, "default"):
         raise WeightsError(f"{source}: rope_type={rope_type!r} is not supported; rljax supports default and llama3.")
+      if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        raise WeightsError(f"{source}: use_sliding_window=true is not supported; rljax uses full attention "
+                           "in every layer.")
       eos = hf.get("eos_token_id")
       eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
       return cls(
@@ -130,7 +133,7 @@ class ModelConfig:
           rope_theta=rope_theta,
           rope_scaling=scaling,
           max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-          tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch != "llama")),
+          tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all three
           attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
           qk_norm=arch == "qwen3",
           bos_token_id=hf.get("bos_token_id"),

@@ -31,8 +31,10 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 class KVCache(NamedTuple):
   """Preallocated keys and values of every layer.
 
-  k, v: [L, B, S, K, Dh] in the compute dtype; kv_mask: [B, S] bool (slot holds a real
+  k, v: [L, B, K, S, Dh] in the compute dtype; kv_mask: [B, S] bool (slot holds a real
   token); index: [] int32, the next slot to write. Memory: 2 * L * B * S * K * Dh * bytes.
+  Slots sit next to each other per (row, KV head), so attention reads a layer's cache as a
+  batched matmul operand without transposing it (decode is bound by reading the cache).
   """
   k: jax.Array
   v: jax.Array
@@ -41,7 +43,7 @@ class KVCache(NamedTuple):
 
   @classmethod
   def zeros(cls, config: ModelConfig, batch: int, slots: int) -> "KVCache":
-    shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, slots, config.head_dim)
     return cls(jnp.zeros(shape, config.compute_dtype), jnp.zeros(shape, config.compute_dtype),
                jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32))
 
@@ -101,7 +103,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, cos, sin, mask, layer_cache):
-    """x: [B, T, D]; mask: [B, T, S] bool; layer_cache: (k, v) [B, S, K, Dh] or None."""
+    """x: [B, T, D]; mask: [B, T, S] bool; layer_cache: (k, v, index), k/v [B, K, S, Dh], or None."""
     c = self.config
     dt, pdt = c.compute_dtype, c.storage_dtype
     init = nn.initializers.normal(0.02)
@@ -121,21 +123,29 @@ class Attention(nn.Module):
       key = RMSNorm(c.rms_norm_eps, "head_dim", pdt, name="k_norm")(key)
     q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
 
-    new_cache = None
-    if layer_cache is not None:
-      ck, cv, index = layer_cache
-      ck = jax.lax.dynamic_update_slice_in_dim(ck, key.astype(ck.dtype), index, axis=1)
-      cv = jax.lax.dynamic_update_slice_in_dim(cv, val.astype(cv.dtype), index, axis=1)
-      new_cache = (ck, cv)
-      key, val = ck.astype(dt), cv.astype(dt)
-
     b, t = x.shape[:2]
     qg = q.reshape(b, t, k, h // k, dh)
-    scores = jnp.einsum("btkrd,bskd->bkrts", qg, key, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(dh)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkrts,bskd->btkrd", probs, val).reshape(b, t, h, dh)
+    new_cache = None
+    if layer_cache is None:
+      scores = jnp.einsum("btkrd,bskd->bkrts", qg, key, preferred_element_type=jnp.float32)
+      scores = scores / math.sqrt(dh)
+      scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+      out = jnp.einsum("bkrts,bskd->btkrd", probs, val)
+    else:
+      ck, cv, index = layer_cache
+      ck = jax.lax.dynamic_update_slice_in_dim(ck, key.transpose(0, 2, 1, 3).astype(ck.dtype), index, axis=2)
+      cv = jax.lax.dynamic_update_slice_in_dim(cv, val.transpose(0, 2, 1, 3).astype(cv.dtype), index, axis=2)
+      new_cache = (ck, cv)
+      # The cache is the left operand of a batched matmul over (row, KV head): on CPU the right
+      # operand is repacked on every call, and repacking the cache would cost more than reading it.
+      qk = qg.transpose(0, 2, 1, 3, 4)  # [B, K, T, R, Dh]
+      scores = jnp.einsum("bksd,bktrd->bkstr", ck.astype(dt), qk, preferred_element_type=jnp.float32)
+      scores = scores.transpose(0, 1, 3, 4, 2) / math.sqrt(dh)  # [B, K, T, R, S]
+      scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
+      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+      out = jnp.einsum("bktrs,bksd->btkrd", probs, cv.astype(dt))
+    out = out.reshape(b, t, h, dh)
     wo = _param(self, "o_kernel", init, (h, dh, d), ("heads", "head_dim", "embed"), pdt)
     return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_cache
 

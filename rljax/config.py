@@ -1,0 +1,149 @@
+"""The run configuration: one ml_collections ConfigDict, validated before anything heavy starts.
+
+Every recipe under `configs/` starts from `base_config()` and changes fields; the CLI
+applies `--config.a.b=value` overrides on top. The dict is locked, so a typo in a
+field name is an error, not a silently ignored setting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import ml_collections
+
+from rljax.errors import ConfigError
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Defaults shared by every recipe (the embedded default changes a few)."""
+  c = ml_collections.ConfigDict()
+
+  c.model = ml_collections.ConfigDict(dict(
+      path="smollm2-135m-instruct",   # HF dir, .gguf file, or built-in name; "random" builds model.random
+      dtype="float32",                # compute dtype of activations
+      remat=False,                    # recompute layer activations in the backward pass
+      random=ml_collections.ConfigDict(dict(   # used when path == "random" (tests, smoke runs)
+          vocab_size=0, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+          num_kv_heads=2, head_dim=16, architecture="llama", tie_word_embeddings=True, seed=0)),
+  ))
+  c.tokenizer = ""                    # defaults to model.path
+  c.data = ml_collections.ConfigDict(dict(   # the data pipeline's fields: see docs/data.md
+      sources=[dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=1)],
+      system_prompt="",
+      prompt_template="{prompt}",
+      max_prompt_tokens=128,
+      on_malformed="skip",
+      shuffle=True,
+      seed=0,
+      num_epochs=None,
+      chat_template=True,
+  ), type_safe=False)
+  c.sampling = ml_collections.ConfigDict(dict(
+      num_samples=8,                  # G: completions per prompt
+      max_new_tokens=128,
+      temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+  ))
+  # A preset plus every LossConfig field; None keeps the preset's value (docs/loss.md).
+  from rljax.rl.config import LossConfig
+  c.rl = ml_collections.ConfigDict(
+      dict(preset="grpo", **{f.name: None for f in dataclasses.fields(LossConfig)}), type_safe=False)
+  c.rewards = ml_collections.ConfigDict(dict(
+      components=[dict(name="correct", verifier="arithmetic", weight=1.0)],
+      timeout_s=5.0, batch_deadline_s=120.0, fallback=0.0, num_workers=2, max_memory_mb=2048,
+  ), type_safe=False)
+  c.optim = ml_collections.ConfigDict(dict(
+      learning_rate=1e-6, schedule="constant", warmup_steps=0, min_lr_ratio=0.0,
+      weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, max_grad_norm=1.0,
+      max_consecutive_skips=5,        # stop the run after this many non-finite updates in a row
+  ))
+  c.train = ml_collections.ConfigDict(dict(
+      steps=10,                       # rollout steps (each: sample, score, 1+ optimizer updates)
+      prompts_per_step=8,             # prompts sampled per step; completions = prompts * num_samples
+      mini_batches=1,                 # optimizer updates per rollout batch per epoch
+      epochs=1,                       # passes over each rollout batch
+      micro_batches=1,                # gradient accumulation: splits each mini-batch (by whole groups)
+      seed=0,
+      dynamic_sampling=False,         # DAPO: drop zero-variance groups, refill from oversampled prompts
+      oversample=2,                   # with dynamic_sampling: prompts sampled = prompts_per_step * oversample
+  ))
+  c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1), distributed=False))
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every=0, keep_last=2, keep_best=1, best_metric="eval/accuracy", async_save=True, resume=True))
+  c.eval = ml_collections.ConfigDict(dict(
+      every=0, num_examples=64, samples=1, temperature=0.0, max_new_tokens=0, before_and_after=True))
+  c.output = ml_collections.ConfigDict(dict(
+      dir="runs/default", export_hf=True, export_dtype="bfloat16", tensorboard=True, progress=True))
+  return c
+
+
+def lock(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  c.lock()
+  return c
+
+
+def _positive(c, path: str, value, allow_zero=False):
+  if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
+    raise ConfigError(f"config.{path}={value!r} must be an integer {'>= 0' if allow_zero else '>= 1'}.")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Checks types, ranges and contradictions; raises ConfigError naming the field and the fix."""
+  s, t, o = c.sampling, c.train, c.optim
+  _positive(c, "sampling.num_samples", s.num_samples)
+  _positive(c, "sampling.max_new_tokens", s.max_new_tokens)
+  _positive(c, "train.steps", t.steps, allow_zero=True)
+  _positive(c, "train.prompts_per_step", t.prompts_per_step)
+  _positive(c, "train.mini_batches", t.mini_batches)
+  _positive(c, "train.epochs", t.epochs)
+  _positive(c, "train.micro_batches", t.micro_batches)
+  _positive(c, "data.max_prompt_tokens", c.data.max_prompt_tokens)
+  if t.prompts_per_step % (t.mini_batches * t.micro_batches):
+    raise ConfigError(
+        f"config.train.prompts_per_step={t.prompts_per_step} must be divisible by train.mini_batches * "
+        f"train.micro_batches = {t.mini_batches * t.micro_batches} (batches are split by whole prompt groups).")
+  if s.temperature < 0:
+    raise ConfigError(f"config.sampling.temperature={s.temperature} must be >= 0 (0 means greedy).")
+  if not 0.0 < s.top_p <= 1.0:
+    raise ConfigError(f"config.sampling.top_p={s.top_p} must be in (0, 1].")
+  if o.learning_rate <= 0:
+    raise ConfigError(f"config.optim.learning_rate={o.learning_rate} must be > 0.")
+  if o.schedule not in SCHEDULES:
+    raise ConfigError(f"config.optim.schedule={o.schedule!r} is not one of {SCHEDULES}.")
+  if o.warmup_steps < 0 or (t.steps and o.warmup_steps > t.steps * t.mini_batches * t.epochs):
+    raise ConfigError(f"config.optim.warmup_steps={o.warmup_steps} must be between 0 and the number of "
+                      f"optimizer updates ({t.steps * t.mini_batches * t.epochs}).")
+  if o.max_grad_norm is not None and o.max_grad_norm <= 0:
+    raise ConfigError(f"config.optim.max_grad_norm={o.max_grad_norm} must be > 0 (or None to disable clipping).")
+  if c.model.dtype not in ("float32", "bfloat16"):
+    raise ConfigError(f"config.model.dtype={c.model.dtype!r} must be 'float32' or 'bfloat16'.")
+  if t.dynamic_sampling and t.oversample < 1:
+    raise ConfigError(f"config.train.oversample={t.oversample} must be >= 1.")
+  if len(c.mesh.shape) != 3:
+    raise ConfigError(f"config.mesh.shape={tuple(c.mesh.shape)} must have 3 entries (data, fsdp, tensor).")
+  loss_config(c).validate(group_size=s.num_samples)
+  if c.eval.samples < 1:
+    raise ConfigError(f"config.eval.samples={c.eval.samples} must be >= 1.")
+
+
+def loss_config(c: ml_collections.ConfigDict):
+  """The LossConfig named by config.rl (a preset plus overrides)."""
+  from rljax.rl import LossConfig
+  fields = {k: v for k, v in c.rl.to_dict().items() if v is not None}
+  preset = fields.pop("preset", "grpo")
+  return LossConfig.from_preset(preset, **fields)
+
+
+def check_model_fits(c: ml_collections.ConfigDict, max_position_embeddings: int) -> None:
+  """Contradiction between the data/sampling lengths and the model's context."""
+  need = c.data.max_prompt_tokens + c.sampling.max_new_tokens
+  if need > max_position_embeddings:
+    raise ConfigError(
+        f"config.data.max_prompt_tokens + config.sampling.max_new_tokens = {need} exceeds the model's context "
+        f"of {max_position_embeddings} tokens; lower one of them.")
+
+
+def to_json(c: ml_collections.ConfigDict) -> str:
+  return json.dumps(c.to_dict(), indent=2, sort_keys=True, default=str)

@@ -1,0 +1,120 @@
+"""Loading config files and applying `--config.a.b=value` overrides (ml_collections style).
+
+A config file is a Python file with `get_config()` returning a ConfigDict. Overrides are
+parsed as Python literals (`0.28`, `True`, `"text"`, `[1, 2]`, `None`), falling back to
+a plain string, and must match the type of the field they replace.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import os
+from typing import Any, Sequence
+
+import ml_collections
+
+from rljax.errors import ConfigError
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} does not exist; pass --config path/to/recipe.py "
+                      "(see configs/ for the recipes).")
+  spec = importlib.util.spec_from_file_location(f"rljax_config_{abs(hash(path))}", path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:  # A broken config file: say which file.
+    raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}") from e
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config file {path!r} has no get_config() function.")
+  return module.get_config()
+
+
+def parse_value(text: str) -> Any:
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def _coerce(path: str, old: Any, new: Any) -> Any:
+  if old is None or new is None:
+    return new
+  if isinstance(old, bool):
+    if isinstance(new, bool):
+      return new
+    if isinstance(new, str) and new.lower() in ("true", "false"):
+      return new.lower() == "true"
+    raise ConfigError(f"--config.{path}={new!r}: expected a bool (True/False).")
+  if isinstance(old, int) and isinstance(new, int) and not isinstance(new, bool):
+    return new
+  if isinstance(old, float) and isinstance(new, (int, float)) and not isinstance(new, bool):
+    return float(new)
+  if isinstance(old, str) and isinstance(new, str):
+    return new
+  if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):
+    return type(old)(new)
+  if isinstance(old, (int, float)) and isinstance(new, (int, float)) and not isinstance(new, bool):
+    return new
+  raise ConfigError(f"--config.{path}={new!r} has type {type(new).__name__}, but the field holds a "
+                    f"{type(old).__name__} ({old!r}).")
+
+
+def set_field(cfg: ml_collections.ConfigDict, path: str, value: Any) -> None:
+  """Sets `cfg.<path>`; unknown fields raise ConfigError with a suggestion."""
+  parts = path.split(".")
+  node = cfg
+  for i, key in enumerate(parts):
+    here = ".".join(parts[:i + 1])
+    keys = list(node.keys()) if isinstance(node, (ml_collections.ConfigDict, dict)) else []
+    if key not in keys:
+      close = difflib.get_close_matches(key, keys, n=1)
+      hint = f" Did you mean {'.'.join(parts[:i] + [close[0]])!r}?" if close else ""
+      raise ConfigError(f"config field {here!r} does not exist.{hint}")
+    if i == len(parts) - 1:
+      new = _coerce(path, node[key], value)
+      if isinstance(node, ml_collections.ConfigDict):
+        with node.unlocked():
+          node[key] = new
+      else:
+        node[key] = new
+    else:
+      node = node[key]
+
+
+def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) -> ml_collections.ConfigDict:
+  """Applies ["a.b=1", ...] (the text after `--config.`)."""
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"--config.{item}: expected --config.FIELD=VALUE.")
+    key, text = item.split("=", 1)
+    set_field(cfg, key, parse_value(text))
+  return cfg
+
+
+def split_config_args(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
+  """Separates `--config PATH` / `--config=PATH` and `--config.x=y` from the other arguments."""
+  path, overrides, rest = None, [], []
+  i = 0
+  while i < len(argv):
+    a = argv[i]
+    if a == "--config":
+      if i + 1 >= len(argv):
+        raise ConfigError("--config needs a path to a config file.")
+      path = argv[i + 1]
+      i += 2
+      continue
+    if a.startswith("--config="):
+      path = a.split("=", 1)[1]
+    elif a.startswith("--config."):
+      body = a[len("--config."):]
+      if "=" not in body and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+        body = f"{body}={argv[i + 1]}"
+        i += 1
+      overrides.append(body)
+    else:
+      rest.append(a)
+    i += 1
+  return path, overrides, rest

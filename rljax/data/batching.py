@@ -1,0 +1,205 @@
+"""PromptBatcher: tokenizes examples, drops over-long prompts, left-pads batches.
+
+The batcher walks its dataset by position. Its whole state is that position
+plus the running counters, so `state()` is a small JSON-able dict and
+`restore(state)` resumes with exactly the batches an uninterrupted run would
+have produced next.
+
+Padding: a batch is padded on the left with `tokenizer.pad_id` to the longest
+prompt rounded up to a multiple of `pad_multiple` (default 16), capped at
+`max_prompt_tokens`; with `pad_to_max_prompt_tokens` every batch has width
+`max_prompt_tokens`. Either way the jitted step sees few distinct shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+
+from rljax.data.formats import Example
+from rljax.data.pipeline import Malformed, PromptDataset
+from rljax.errors import ConfigError, DataError
+
+STATE_VERSION = 1
+# Give up after this many consecutive unusable rows: an endless stream of
+# them would otherwise hang the trainer without a message.
+_MAX_CONSECUTIVE_SKIPS = 10_000
+_MAX_LOGGED_SKIPS = 5
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PromptBatch:
+  """One batch of prompts.
+
+  Attributes:
+    prompt_ids: int32 [P, Lp], left-padded with the tokenizer's pad id.
+    prompt_mask: bool [P, Lp], True on real tokens.
+    examples: the P Examples, in row order (each has `prompt_text`, the
+      rendered prompt that was tokenized).
+  """
+  prompt_ids: np.ndarray
+  prompt_mask: np.ndarray
+  examples: list[Example]
+
+  @property
+  def prompt_lengths(self) -> np.ndarray:
+    return self.prompt_mask.sum(axis=1).astype(np.int32)
+
+
+def render_prompt(example: Example, tokenizer: Any, chat_template: bool) -> str:
+  """The prompt text the model sees: the chat template applied to the messages,
+  or (chat_template=False) the system prompt and prompt joined by a blank line."""
+  if chat_template:
+    return tokenizer.apply_chat_template(example["prompt_messages"], add_generation_prompt=True, tokenize=False)
+  return "\n\n".join(m["content"] for m in example["prompt_messages"])
+
+
+class PromptBatcher:
+  """Iterates over `PromptBatch`es of a `PromptDataset`.
+
+  Args:
+    dataset: from `build_dataset`.
+    tokenizer: `encode(text, add_special_tokens=False) -> list[int]`,
+      `apply_chat_template(messages, add_generation_prompt=True, tokenize=False) -> str`
+      and `pad_id`.
+    prompts_per_batch: P, the number of prompts per batch.
+    max_prompt_tokens: longer prompts are skipped and counted; defaults to the
+      data config's `max_prompt_tokens` (None: no limit).
+    pad_multiple, pad_to_max_prompt_tokens: padding policy (module docstring);
+      default to the data config's values.
+    drop_remainder: at the end of a finite dataset, drop a last batch with
+      fewer than P prompts (default) or yield it.
+  """
+
+  def __init__(self, dataset: PromptDataset, tokenizer: Any, prompts_per_batch: int, *,
+               max_prompt_tokens: int | None = None, pad_multiple: int | None = None,
+               pad_to_max_prompt_tokens: bool | None = None, drop_remainder: bool = True):
+    cfg = dataset.config
+    if not isinstance(prompts_per_batch, int) or prompts_per_batch < 1:
+      raise ConfigError(f"PromptBatcher(prompts_per_batch={prompts_per_batch!r}): expected an integer >= 1.")
+    self.dataset = dataset
+    self.tokenizer = tokenizer
+    self.prompts_per_batch = prompts_per_batch
+    self.max_prompt_tokens = cfg["max_prompt_tokens"] if max_prompt_tokens is None else max_prompt_tokens
+    self.pad_multiple = cfg["pad_multiple"] if pad_multiple is None else pad_multiple
+    self.pad_to_max = cfg["pad_to_max_prompt_tokens"] if pad_to_max_prompt_tokens is None else pad_to_max_prompt_tokens
+    if self.pad_to_max and self.max_prompt_tokens is None:
+      raise ConfigError("PromptBatcher: pad_to_max_prompt_tokens needs max_prompt_tokens to be set.")
+    if self.pad_multiple < 1:
+      raise ConfigError(f"PromptBatcher(pad_multiple={self.pad_multiple}): expected an integer >= 1.")
+    self.drop_remainder = drop_remainder
+    self._chat_template = cfg["chat_template"]
+    self._position = 0
+    self._stats = {"rows_read": 0, "examples": 0, "batches": 0, "malformed": 0, "filtered_too_long": 0}
+
+  # -- checkpointing ---------------------------------------------------------
+
+  def state(self) -> dict[str, Any]:
+    """A JSON-able snapshot; `restore` of it continues with the same batches."""
+    return {"version": STATE_VERSION, "position": self._position, "fingerprint": self.dataset.fingerprint,
+            "prompts_per_batch": self.prompts_per_batch, "stats": dict(self._stats)}
+
+  def restore(self, state: dict[str, Any], *, strict: bool = True) -> None:
+    """Resumes from `state()` of a batcher over the same data config and shard.
+
+    Args:
+      state: a dict from `state()` (possibly via JSON).
+      strict: refuse a state saved for a different data config (fingerprint)
+        or batch size. With strict=False the position is reused anyway, e.g.
+        after moving the data files or changing the batch size; the stream
+        continues from the same row, but batches are only identical to an
+        uninterrupted run if the rows and batch size did not change.
+
+    Raises:
+      DataError: the state is from another data config, split, shard or batch
+        size, or from an unknown version.
+    """
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+      raise DataError(f"data iterator state {state!r}: not a version-{STATE_VERSION} PromptBatcher state.")
+    problems = []
+    if state["fingerprint"] != self.dataset.fingerprint:
+      problems.append(f"it was saved for a different data config, split or process shard (fingerprint "
+                      f"{state['fingerprint']} != {self.dataset.fingerprint})")
+    if state["prompts_per_batch"] != self.prompts_per_batch:
+      problems.append(f"it was saved with prompts_per_batch={state['prompts_per_batch']}, "
+                      f"this run uses {self.prompts_per_batch}")
+    if problems and strict:
+      raise DataError(
+          f"cannot resume the data iterator exactly: {'; '.join(problems)}. Resume with the same data config, "
+          "process count and batch size, pass strict=False to continue from the saved position anyway, "
+          "or start the data stream fresh by not restoring its state.")
+    for problem in problems:
+      log.warning("restoring data iterator state although %s (strict=False).", problem)
+    self._position = int(state["position"])
+    self._stats = {k: int(v) for k, v in state["stats"].items()}
+
+  def stats(self) -> dict[str, int]:
+    """Counters since the start of the run (restored with the state)."""
+    return dict(self._stats)
+
+  # -- iteration -------------------------------------------------------------
+
+  def __iter__(self) -> PromptBatcher:
+    return self
+
+  def _count(self, key: str, source: str) -> None:
+    self._stats[key] += 1
+    per_source = f"{key}/{source}"
+    self._stats[per_source] = self._stats.get(per_source, 0) + 1
+
+  def _next_example(self) -> Example | None:
+    """The next usable example (tokenized), or None at the end of the data."""
+    skipped = 0
+    while self._position < len(self.dataset):
+      item = self.dataset[self._position]
+      self._position += 1
+      self._stats["rows_read"] += 1
+      if isinstance(item, Malformed):
+        self._count("malformed", item.source)
+        if self._stats["malformed"] <= _MAX_LOGGED_SKIPS:
+          log.warning("skipping malformed row %s: %s", item.where, item.reason)
+      else:
+        text = render_prompt(item, self.tokenizer, self._chat_template)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if self.max_prompt_tokens is None or len(ids) <= self.max_prompt_tokens:
+          item["prompt_text"] = text
+          item["prompt_ids"] = ids
+          return item
+        self._count("filtered_too_long", item["source"])
+      skipped += 1
+      if skipped >= _MAX_CONSECUTIVE_SKIPS:
+        raise DataError(
+            f"data: {skipped} consecutive rows were malformed or longer than max_prompt_tokens="
+            f"{self.max_prompt_tokens} (stats {self._stats}); check the sources' fields and the token limit.")
+    return None
+
+  def _width(self, longest: int) -> int:
+    if self.pad_to_max:
+      return self.max_prompt_tokens
+    width = -(-max(longest, 1) // self.pad_multiple) * self.pad_multiple
+    return width if self.max_prompt_tokens is None else min(width, self.max_prompt_tokens)
+
+  def __next__(self) -> PromptBatch:
+    examples = []
+    while len(examples) < self.prompts_per_batch:
+      example = self._next_example()
+      if example is None:
+        break
+      examples.append(example)
+    if not examples or (len(examples) < self.prompts_per_batch and self.drop_remainder):
+      raise StopIteration
+    width = self._width(max(len(e["prompt_ids"]) for e in examples))
+    ids = np.full((len(examples), width), self.tokenizer.pad_id, np.int32)
+    mask = np.zeros((len(examples), width), bool)
+    for row, example in enumerate(examples):
+      tokens = example.pop("prompt_ids")
+      if tokens:
+        ids[row, width - len(tokens):] = tokens
+        mask[row, width - len(tokens):] = True
+      self._count("examples", example["source"])
+    self._stats["batches"] += 1
+    return PromptBatch(prompt_ids=ids, prompt_mask=mask, examples=examples)

@@ -1,0 +1,170 @@
+"""Per-token log-probs and entropies from hidden states, chunked over the vocabulary.
+
+`chunked_logprobs` never materialises the `[B, T, V]` fp32 logits: the forward pass streams
+vocabulary chunks of `[B*T, C]` through an online log-sum-exp, and a custom VJP recomputes each
+chunk's logits in the backward pass. Peak temporary memory is O(B*T*C) instead of O(B*T*V)
+(figures in docs/loss.md, measured by scripts/bench_logprobs_memory.py).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rljax.rl._sharding import replicate, replicated_sharding
+
+_F32 = jnp.float32
+
+
+def naive_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
+                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """Reference implementation that materialises the full fp32 log-softmax.
+
+  Args:
+    hidden: [B, T, D] any float dtype.
+    lm_head: [D, V].
+    targets: [B, T] int.
+    temperature: logits are divided by it.
+
+  Returns:
+    lp: [B, T] float32 log p(target); ent: [B, T] float32 entropy.
+  """
+  logits = jnp.einsum("btd,dv->btv", hidden, lm_head, preferred_element_type=_F32)
+  logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+  lp = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+  return lp, ent
+
+
+def chunked_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
+                     temperature: float = 1.0, chunk_size: int = 4096,
+                     precision=None) -> tuple[jax.Array, jax.Array]:
+  """log p(target) and entropy of softmax(hidden @ lm_head / temperature), in fp32.
+
+  Equal (values and gradients, to fp32 rounding) to `naive_logprobs`, without the `[B, T, V]`
+  fp32 array. The matmuls take the inputs' dtypes and accumulate in fp32.
+
+  Args:
+    hidden: [B, T, D] any float dtype; receives a gradient (cast back to its dtype).
+    lm_head: [D, V] the unembedding kernel (for tied embeddings pass embedding.T); receives a
+      gradient in its own dtype.
+    targets: [B, T] int in [0, V); values outside give meaningless (finite) results, so mask
+      those positions out downstream.
+    temperature: Python float > 0 (static): the sampling temperature.
+    chunk_size: vocabulary columns per chunk (static). Peak temporary memory is a few
+      [B*T, chunk_size] fp32 arrays.
+    precision: optional `jax.lax.Precision` for the matmuls.
+
+  Returns:
+    lp: [B, T] float32; ent: [B, T] float32.
+  """
+  if hidden.ndim != 3:
+    raise ValueError(f"hidden must be [B, T, D], got shape {hidden.shape}.")
+  if lm_head.ndim != 2 or lm_head.shape[0] != hidden.shape[-1]:
+    raise ValueError(
+        f"lm_head must be [D, V] with D = {hidden.shape[-1]} (hidden's last axis), got shape "
+        f"{lm_head.shape}; for tied embeddings pass embedding.T.")
+  if targets.shape != hidden.shape[:2]:
+    raise ValueError(f"targets must be [B, T] = {hidden.shape[:2]}, got {targets.shape}.")
+  temperature = float(temperature)
+  if not temperature > 0:
+    raise ValueError(f"temperature must be > 0, got {temperature}.")
+  if int(chunk_size) < 1:
+    raise ValueError(f"chunk_size must be a positive int, got {chunk_size}.")
+  b, t, d = hidden.shape
+  chunk = min(int(chunk_size), lm_head.shape[1])
+  # Under explicit sharding the vocabulary loop needs the whole kernel on every device.
+  lm_head = replicate(lm_head)
+  lp, ent = _lp_ent(hidden.reshape(b * t, d), lm_head, targets.reshape(b * t).astype(jnp.int32),
+                    1.0 / temperature, chunk, precision)
+  return lp.reshape(b, t), ent.reshape(b, t)
+
+
+def _chunk(h, w, i, inv_temp, chunk, precision):
+  """Logits of vocabulary chunk i: z [N, C] fp32, column ids [C], fresh [C] bool, w_c [D, C].
+
+  The last chunk is shifted left to stay inside V (no padded copy of lm_head); the columns it
+  shares with the previous chunk are marked not fresh and ignored.
+  """
+  v = w.shape[1]
+  start = jnp.minimum(i * chunk, v - chunk)
+  w_c = lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
+  z = jnp.dot(h, w_c, preferred_element_type=_F32, precision=precision).astype(_F32) * inv_temp
+  cols = start + jnp.arange(chunk)
+  return z, cols, cols >= i * chunk, w_c, start
+
+
+def _forward(h, w, y, inv_temp, chunk, precision):
+  """Online log-sum-exp over chunks: returns lp [N], ent [N], lse [N]."""
+  num_chunks = math.ceil(w.shape[1] / chunk)
+
+  def body(carry, i):
+    # m: running max; s: sum exp(z - m); u: sum exp(z - m) (z - m); zt: target logit.
+    m, s, u, zt = carry
+    z, cols, fresh, _, _ = _chunk(h, w, i, inv_temp, chunk, precision)
+    z = jnp.where(fresh, z, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+    alpha = jnp.exp(m - m_new)
+    shift = jnp.where(s > 0, m - m_new, 0.0)  # avoids 0 * -inf on the first chunk
+    e = jnp.exp(z - m_new[:, None])
+    zc = jnp.where(fresh, z - m_new[:, None], 0.0)
+    u = alpha * (u + s * shift) + jnp.sum(e * zc, axis=-1)
+    s = alpha * s + jnp.sum(e, axis=-1)
+    hit = (cols[None, :] == y[:, None]) & fresh
+    zt = zt + jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
+    return (m_new, s, u, zt), None
+
+  # Carries built from h keep its (batch) sharding, as lax.scan requires.
+  zero = jnp.zeros_like(h[:, 0], dtype=_F32)
+  init = (zero - jnp.inf, zero, zero, zero)
+  (m, s, u, zt), _ = lax.scan(body, init, jnp.arange(num_chunks))
+  log_s = jnp.log(s)
+  lse = m + log_s
+  return zt - lse, log_s - u / s, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _lp_ent(h, w, y, inv_temp, chunk, precision):
+  """h [N, D], w [D, V], y [N] -> (lp [N], ent [N]) float32."""
+  lp, ent, _ = _forward(h, w, y, inv_temp, chunk, precision)
+  return lp, ent
+
+
+def _lp_ent_fwd(h, w, y, inv_temp, chunk, precision):
+  lp, ent, lse = _forward(h, w, y, inv_temp, chunk, precision)
+  return (lp, ent), (h, w, y, lse, ent)
+
+
+def _lp_ent_bwd(inv_temp, chunk, precision, res, cts):
+  """Recomputes each chunk's logits; d lp/dz = onehot - p, d ent/dz = -p (log p + ent)."""
+  h, w, y, lse, ent = res
+  g_lp, g_ent = cts
+  num_chunks = math.ceil(w.shape[1] / chunk)
+  w_sharding = replicated_sharding(w)  # the sum over (sharded) tokens gives a replicated dW
+
+  def body(carry, i):
+    dh, dw = carry
+    z, cols, fresh, w_c, start = _chunk(h, w, i, inv_temp, chunk, precision)
+    logp = z - lse[:, None]
+    p = jnp.where(fresh, jnp.exp(logp), 0.0)
+    hit = ((cols[None, :] == y[:, None]) & fresh).astype(_F32)
+    g_z = g_lp[:, None] * (hit - p) - g_ent[:, None] * p * (logp + ent[:, None])
+    g_z = g_z * inv_temp
+    dh = dh + jnp.dot(g_z, w_c.T, preferred_element_type=_F32, precision=precision)
+    dw_c = jnp.dot(h.T, g_z, preferred_element_type=_F32, precision=precision,
+                   out_sharding=w_sharding)
+    # Each column is written once (stale overlap columns get + 0), so accumulating in w's
+    # dtype is exact up to the one cast.
+    old = lax.dynamic_slice_in_dim(dw, start, chunk, axis=1)
+    dw = lax.dynamic_update_slice_in_dim(dw, old + dw_c.astype(dw.dtype), start, axis=1)
+    return (dh, dw), None
+
+  init = (jnp.zeros_like(h, dtype=_F32), jnp.zeros_like(w))
+  (dh, dw), _ = lax.scan(body, init, jnp.arange(num_chunks))
+  return dh.astype(h.dtype), dw, None
+
+
+_lp_ent.defvjp(_lp_ent_fwd, _lp_ent_bwd)

@@ -1,0 +1,155 @@
+"""Held-out evaluation: sample K completions per prompt, score them, report accuracy and pass@k.
+
+Used by the trainer (before/after training and every `eval.every` steps) and by `rljax eval`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from rljax import evaluation
+from rljax.data import PromptBatcher
+
+
+def _sample_fn(config, sp):
+  from rljax.sampling import sample
+  return jax.jit(lambda params, ids, mask, key: sample(config, params, ids, mask, sp, key,
+                                                        eos_ids=tuple(sp.stop_token_ids)))
+
+
+def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examples: int, samples: int, sampling,
+                    max_prompt_tokens: int, batch_prompts: int = 8, out_path: str | None = None,
+                    seed: int = 0) -> dict[str, Any]:
+  """Scores `samples` completions for each of the first `num_examples` examples of `dataset`.
+
+  Returns accuracy (mean score>0.5 of the first reward component over all samples) with its
+  standard error over examples, mean@k, pass@k (unbiased estimator) and maj@k for k = samples,
+  plus pass@1. Writes one JSON line per example to `out_path`.
+  """
+  batcher = PromptBatcher(dataset, tokenizer, prompts_per_batch=batch_prompts, max_prompt_tokens=max_prompt_tokens,
+                          pad_to_max_prompt_tokens=True, drop_remainder=False)
+  run = _sample_fn(model_config, sampling)
+  key = jax.random.key(seed)
+  per_example: list[dict[str, Any]] = []
+  for batch in batcher:
+    n = batch.prompt_ids.shape[0]
+    ids, mask = batch.prompt_ids, batch.prompt_mask
+    if n < batch_prompts:  # pad the last batch to the compiled shape
+      ids = np.concatenate([ids, np.repeat(ids[-1:], batch_prompts - n, 0)])
+      mask = np.concatenate([mask, np.repeat(mask[-1:], batch_prompts - n, 0)])
+    key, sub = jax.random.split(key)
+    out = jax.device_get(run(params, ids, mask, sub))
+    rows = n * samples
+    tokens, lengths = np.asarray(out.tokens)[:rows], np.asarray(out.lengths)[:rows]
+    texts = tokenizer.batch_decode([tokens[r, :lengths[r]].tolist() for r in range(rows)])
+    examples = [batch.examples[r // samples] for r in range(rows)]
+    scored = pool.score(texts, examples, num_tokens=lengths.tolist(), group_size=samples)
+    first = next(iter(scored.components))
+    correct = np.asarray(scored.components[first]) > 0.5
+    answers = scored.answers if getattr(scored, "answers", None) is not None else [t.strip() for t in texts]
+    for i in range(n):
+      sl = slice(i * samples, (i + 1) * samples)
+      ex = batch.examples[i]
+      per_example.append({
+          "id": ex.get("id"), "prompt": ex.get("prompt"), "answer": ex.get("answer"),
+          "completions": texts[sl], "rewards": np.asarray(scored.rewards)[sl].tolist(),
+          "correct": correct[sl].tolist(), "answers": list(answers[sl]),
+      })
+      if len(per_example) >= num_examples:
+        break
+    if len(per_example) >= num_examples:
+      break
+  return summarize(per_example, samples, out_path)
+
+
+def summarize(per_example: list[dict[str, Any]], samples: int, out_path: str | None = None) -> dict[str, Any]:
+  """Aggregate metrics of per-example results (see `evaluate_policy`)."""
+  n = len(per_example)
+  if n == 0:
+    return {"num_examples": 0.0}
+  frac = np.asarray([np.mean(e["correct"]) for e in per_example], np.float64)
+  counts = [int(np.sum(e["correct"])) for e in per_example]
+  metrics: dict[str, Any] = {
+      "num_examples": float(n),
+      "accuracy": float(frac.mean()),
+      "accuracy_stderr": float(frac.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0,
+      f"mean@{samples}": float(frac.mean()),
+      "pass@1": float(np.mean([evaluation.pass_at_k(samples, c, 1) for c in counts])),
+  }
+  if samples > 1:
+    metrics[f"pass@{samples}"] = float(np.mean([evaluation.pass_at_k(samples, c, samples) for c in counts]))
+    metrics[f"maj@{samples}"] = float(np.mean([evaluation.maj_at_k(e["answers"], e["correct"]) for e in per_example]))
+  if out_path:
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    with open(out_path, "w", encoding="utf-8") as f:
+      for e in per_example:
+        f.write(json.dumps(e, ensure_ascii=False, default=str) + "\n")
+  return metrics
+
+
+def eval_main(argv) -> int:
+  """`rljax eval --model X --data Y --verifier Z --samples K`."""
+  parser = argparse.ArgumentParser(prog="rljax eval")
+  parser.add_argument("--model", default="smollm2-135m-instruct", help="HF dir, .gguf, or built-in name")
+  parser.add_argument("--data", required=True,
+                      help="a data source: a .jsonl/.parquet file, or a procedural task name (arithmetic, countdown)")
+  parser.add_argument("--kind", default=None, help="source kind (jsonl, parquet, gsm8k, math, ...); "
+                      "default: from the file extension or the task name")
+  parser.add_argument("--split", default="test")
+  parser.add_argument("--verifier", default=None, help="verifier name or module:function (default: the source's)")
+  parser.add_argument("--samples", type=int, default=1)
+  parser.add_argument("--num-examples", type=int, default=64)
+  parser.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy) for 1 sample, else 1.0")
+  parser.add_argument("--max-new-tokens", type=int, default=256)
+  parser.add_argument("--max-prompt-tokens", type=int, default=512)
+  parser.add_argument("--prompt-template", default="{prompt}")
+  parser.add_argument("--system-prompt", default=None)
+  parser.add_argument("--batch-prompts", type=int, default=8)
+  parser.add_argument("--workers", type=int, default=2)
+  parser.add_argument("--timeout", type=float, default=10.0)
+  parser.add_argument("--out", default="eval_results.jsonl")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+
+  import rljax
+  from rljax.data import build_dataset
+  from rljax.rewards import RewardPool, RewardSpec
+  from rljax.sampling import SamplingParams
+
+  kind = args.kind
+  source: dict[str, Any] = {}
+  if kind is None:
+    if args.data in ("arithmetic", "countdown"):
+      kind = args.data
+    else:
+      kind = {".jsonl": "jsonl", ".parquet": "parquet", ".json": "json"}.get(os.path.splitext(args.data)[1], "jsonl")
+  if kind not in ("arithmetic", "countdown"):
+    source["path"] = args.data
+  source.update(kind=kind)
+  if args.verifier:
+    source["verifier"] = args.verifier
+  data_cfg = {"sources": [source], "prompt_template": args.prompt_template, "system_prompt": args.system_prompt,
+              "max_prompt_tokens": args.max_prompt_tokens, "shuffle": False}
+  dataset = build_dataset(data_cfg, split=args.split)
+  verifier = args.verifier or dataset.config["sources"][0]["verifier"]
+  policy = rljax.load_pretrained(args.model)
+  tok = policy.tokenizer
+  temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
+  sp = SamplingParams(num_samples=args.samples, max_new_tokens=args.max_new_tokens,
+                      temperature=temperature if temperature > 0 else 1.0, greedy=temperature == 0,
+                      stop_token_ids=tuple(sorted(set(tok.stop_ids))))
+  spec = RewardSpec.from_dict({"components": [{"name": "correct", "verifier": verifier, "weight": 1.0}],
+                               "timeout_s": args.timeout, "num_workers": args.workers})
+  with RewardPool(spec) as pool:
+    metrics = evaluate_policy(policy.config, policy.params, tok, dataset, pool, num_examples=args.num_examples,
+                              samples=args.samples, sampling=sp, max_prompt_tokens=args.max_prompt_tokens,
+                              batch_prompts=args.batch_prompts, out_path=args.out, seed=args.seed)
+  print(json.dumps(metrics, indent=2))
+  print(f"per-example results: {args.out}")
+  return 0

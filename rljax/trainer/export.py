@@ -1,0 +1,101 @@
+"""Checkpoint -> Hugging Face directory: `rljax export --checkpoint DIR --out HF_DIR`.
+
+Reads only the parameters of one checkpoint step (no optimizer state) onto one device, plus
+the model config and tokenizer source the trainer stored in the step's extras, and writes a
+directory that `transformers.AutoModelForCausalLM.from_pretrained` loads as is.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import warnings
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from rljax.errors import ConfigError, RljaxError, WeightsError
+from rljax.models.config import ModelConfig
+from rljax.models.policy import Policy, init_params
+from rljax.trainer.checkpoint import EXTRAS_MODEL_CONFIG, EXTRAS_TOKENIZER, Checkpointer
+
+log = logging.getLogger(__name__)
+
+EXPORT_DTYPES = ("bfloat16", "float32")
+
+
+def _model_config(extras: dict, where: str) -> ModelConfig:
+  hf = extras.get(EXTRAS_MODEL_CONFIG)
+  if not isinstance(hf, dict):
+    raise WeightsError(f"{where}: the checkpoint's extras have no '{EXTRAS_MODEL_CONFIG}' (the model's HF config "
+                       "dict); it was not saved by the rljax trainer, so the architecture is unknown. Save with "
+                       f"extras['{EXTRAS_MODEL_CONFIG}'] = policy.config.to_hf().")
+  return ModelConfig.from_hf(hf, f"{where} extras['{EXTRAS_MODEL_CONFIG}']")
+
+
+def _check_params(config: ModelConfig, params, where: str) -> None:
+  """The restored tree must be exactly what `config` builds (names and shapes)."""
+  expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(expected)[0]}
+  got = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  bad = sorted(set(want) ^ set(got)) + sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
+  if bad:
+    detail = ", ".join(f"params{k}: saved {got.get(k)}, config implies {want.get(k)}" for k in bad[:4])
+    raise WeightsError(f"{where}: the saved parameters do not match the model config stored with them ({detail}).")
+
+
+def _tokenizer(extras: dict, where: str):
+  """The tokenizer named by the checkpoint, or None (with a warning saying why)."""
+  source = extras.get(EXTRAS_TOKENIZER)
+  if not source:
+    return None
+  try:
+    from rljax.tokenizer import load_tokenizer
+    return load_tokenizer(source)
+  except (ImportError, RljaxError, OSError) as e:
+    warnings.warn(f"{where}: exporting without tokenizer files: the tokenizer source {source!r} saved with the "
+                  f"checkpoint could not be loaded ({e}). Copy the tokenizer files into the output directory by "
+                  "hand, or run the export from the directory the run was started in.", stacklevel=3)
+    return None
+
+
+def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int | None = None,
+                      dtype: str = "bfloat16") -> str:
+  """Writes checkpoint `step` (default: the latest) of `checkpoint_dir` as an HF directory; returns `out_dir`.
+
+  `dtype` is the tensor dtype on disk ("bfloat16" or "float32"). Tokenizer files are written
+  when the tokenizer source recorded in the checkpoint can be loaded.
+  """
+  if dtype not in EXPORT_DTYPES:
+    raise ConfigError(f"export dtype={dtype!r} is not supported; use one of {EXPORT_DTYPES}.")
+  with Checkpointer(checkpoint_dir, read_only=True) as ckpt:
+    step = ckpt.latest_step() if step is None else int(step)
+    if step is None:
+      ckpt.restore_extras()  # raises the "no checkpoint in ..." error
+    where = os.path.join(ckpt.directory, str(step))
+    extras = ckpt.restore_extras(step)
+    config = _model_config(extras, where)
+    params = ckpt.restore_params(step, shardings=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  _check_params(config, params, where)
+  params = jax.tree.map(np.asarray, params)
+  policy = Policy(config=config, params=params, tokenizer=_tokenizer(extras, where), source=where)
+  from rljax.models.io import save_pretrained
+  out = save_pretrained(policy, out_dir, dtype=dtype)
+  log.info("exported %s (%s) to %s", where, dtype, out)
+  return os.fspath(out)
+
+
+def export_main(argv: Sequence[str] | None = None) -> int:
+  """`rljax export --checkpoint DIR --out HF_DIR [--step N] [--dtype bfloat16|float32]`."""
+  parser = argparse.ArgumentParser(prog="rljax export",
+                                   description="Write a training checkpoint as a Hugging Face model directory.")
+  parser.add_argument("--checkpoint", required=True,
+                      help="the run's checkpoint directory (holding numbered step folders), e.g. runs/x/checkpoints")
+  parser.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, tokenizer)")
+  parser.add_argument("--step", type=int, default=None, help="step to export (default: the latest)")
+  parser.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16", help="tensor dtype on disk")
+  args = parser.parse_args(argv)
+  out = export_checkpoint(args.checkpoint, args.out, step=args.step, dtype=args.dtype)
+  print(out)
+  return 0

@@ -1,0 +1,278 @@
+"""The outer training loop: set up, resume, step, log, evaluate, checkpoint, export."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from rljax import config as config_lib
+from rljax import sharding as shd
+from rljax.errors import ConfigError, RljaxError
+from rljax.models.policy import Policy, init_params, param_shardings
+from rljax.trainer.metrics import MetricsWriter, to_floats
+from rljax.trainer.optim import make_optimizer
+from rljax.trainer.state import TrainState
+from rljax.trainer.step import StepSpec, jit_train_step, make_train_step
+
+log = logging.getLogger("rljax")
+
+
+class TrainingStopped(RljaxError):
+  """The run stopped on purpose (e.g. too many non-finite updates); the last good checkpoint is kept."""
+
+
+def load_policy(model_cfg, tokenizer_path: str = "") -> Policy:
+  """The policy named by config.model: pretrained weights, or a random model for tests."""
+  from rljax.models.config import ModelConfig
+  if model_cfg.path == "random":
+    from rljax.tokenizer import load_tokenizer
+    tok = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    r = model_cfg.random
+    vocab = r.vocab_size or (tok.vocab_size if tok is not None else 0)
+    if not vocab:
+      raise ConfigError("config.model.random.vocab_size=0 needs config.tokenizer to be set (or give a vocab size).")
+    mc = ModelConfig(vocab_size=vocab, hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
+                     num_layers=r.num_layers, num_heads=r.num_heads, num_kv_heads=r.num_kv_heads,
+                     head_dim=r.head_dim, architecture=r.architecture, tie_word_embeddings=r.tie_word_embeddings,
+                     eos_token_ids=(tok.eos_id,) if tok is not None and tok.eos_id is not None else (),
+                     dtype=model_cfg.dtype, remat=model_cfg.remat, max_position_embeddings=4096)
+    return Policy(mc, init_params(mc, jax.random.key(r.seed)), tokenizer=tok, source="random")
+  from rljax.models.io import load_pretrained
+  policy = load_pretrained(model_cfg.path)
+  policy = dataclasses.replace(policy, config=policy.config.replace(dtype=model_cfg.dtype, remat=model_cfg.remat))
+  if tokenizer_path:
+    from rljax.tokenizer import load_tokenizer
+    policy = dataclasses.replace(policy, tokenizer=load_tokenizer(tokenizer_path))
+  if policy.tokenizer is None:
+    raise ConfigError(f"config.model.path={model_cfg.path!r} has no tokenizer; set config.tokenizer.")
+  return policy
+
+
+def sampling_params(cfg, tokenizer, *, greedy=False, max_new_tokens=None, num_samples=None, temperature=None):
+  from rljax.sampling import SamplingParams
+  s = cfg.sampling
+  temp = s.temperature if temperature is None else temperature
+  return SamplingParams(
+      num_samples=num_samples or s.num_samples, max_new_tokens=max_new_tokens or s.max_new_tokens,
+      temperature=temp if temp > 0 else 1.0, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+      greedy=greedy or temp == 0, stop_token_ids=tuple(sorted(set(tokenizer.stop_ids))))
+
+
+class Trainer:
+  """Owns the pieces of a run. `Trainer(config).run()` trains and returns a summary dict."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    config_lib.validate(config)
+    self.config = config
+    self.out_dir = config.output.dir
+    os.makedirs(self.out_dir, exist_ok=True)
+    shd.maybe_initialize_distributed(config.mesh.distributed or None)
+    self.mesh = shd.make_mesh(tuple(config.mesh.shape))
+    self.policy = load_policy(config.model, config.tokenizer)
+    self.tokenizer = self.policy.tokenizer
+    config_lib.check_model_fits(config, self.policy.config.max_position_embeddings)
+    self.loss_cfg = config_lib.loss_config(config)
+    t = config.train
+    self.oversample = t.oversample if t.dynamic_sampling else 1
+    self.sp = sampling_params(config, self.tokenizer)
+    self.spec = StepSpec(
+        model=self.policy.config, sampling=self.sp, loss=self.loss_cfg, prompts=t.prompts_per_step,
+        mini_batches=t.mini_batches, epochs=t.epochs, micro_batches=t.micro_batches,
+        eos_ids=tuple(sorted(set(self.tokenizer.stop_ids))), oversample=self.oversample)
+    self.total_updates = max(t.steps * t.mini_batches * t.epochs, 1)
+    self.optimizer, self.schedule = make_optimizer(config.optim, self.total_updates)
+    with open(os.path.join(self.out_dir, "config.json"), "w") as f:
+      f.write(config_lib.to_json(config))
+    self._setup_data()
+    self._setup_rewards()
+    self._setup_state()
+
+  # ---- setup ------------------------------------------------------------------------------
+
+  def _setup_data(self):
+    from rljax.data import PromptBatcher, build_dataset
+    c = self.config
+    pi, pc = jax.process_index(), jax.process_count()
+    if (c.train.prompts_per_step * self.oversample) % pc:
+      raise ConfigError(f"config.train.prompts_per_step={c.train.prompts_per_step} must be divisible by the "
+                        f"number of processes ({pc}).")
+    data_cfg = c.data.to_dict()
+    self.train_data = build_dataset(data_cfg, split="train", process_index=pi, process_count=pc)
+    self.batcher = PromptBatcher(self.train_data, self.tokenizer,
+                                 prompts_per_batch=c.train.prompts_per_step * self.oversample // pc,
+                                 max_prompt_tokens=c.data.max_prompt_tokens)
+    self._batches = iter(self.batcher)
+    self.eval_data = None
+    if c.eval.every or c.eval.before_and_after:
+      self.eval_data = build_dataset(data_cfg, split="test", process_index=0, process_count=1)
+
+  def _setup_rewards(self):
+    from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
+    spec = RewardSpec.from_dict(self.config.rewards.to_dict())
+    self.pool = RewardPool(spec)
+    self.component_names = [comp["name"] for comp in spec.to_dict()["components"]] if hasattr(
+        spec, "to_dict") else [comp.name for comp in spec.components]
+    self.reward_fn = make_reward_fn(self.pool, self.tokenizer.batch_decode, group_size=self.sp.num_samples)
+
+  def _setup_state(self):
+    c = self.config
+    mc = self.policy.config
+    self.param_shardings = param_shardings(mc, self.mesh)
+    params = jax.device_put(self.policy.params, self.param_shardings)
+    ref = params if self.loss_cfg.needs_reference else None
+    if ref is not None:
+      ref = jax.tree.map(jnp.copy, ref)
+    state = TrainState.create(params, self.optimizer, c.train.seed, ref_params=ref)
+    self.state_shardings = _state_shardings(state, self.mesh, self.param_shardings)
+    self.state = jax.device_put(state, self.state_shardings)
+    self.batch_sharding = shd.batch_sharding(self.mesh, 2, c.train.prompts_per_step * self.oversample)
+    from rljax.trainer.checkpoint import Checkpointer
+    self.ckpt = Checkpointer(os.path.join(self.out_dir, "checkpoints"), keep_last=c.checkpoint.keep_last,
+                             keep_best=c.checkpoint.keep_best, best_metric=c.checkpoint.best_metric,
+                             async_save=c.checkpoint.async_save)
+    self.history: list[dict] = []
+    self.start_step = 0
+    if c.checkpoint.resume and self.ckpt.latest_step() is not None:
+      abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
+                              self.state_shardings)
+      self.state, extras = self.ckpt.restore(abstract_state=abstract)
+      self.batcher.restore(extras["data"])
+      self._batches = iter(self.batcher)
+      self.history = extras.get("metrics", [])
+      self.start_step = int(self.state.step)
+      log.info("resumed from %s at step %d", self.ckpt.directory, self.start_step)
+    step_fn = make_train_step(self.spec, self.optimizer, self.reward_fn, self.schedule)
+    self.train_step = jit_train_step(step_fn, self.state_shardings, self.batch_sharding)
+
+  # ---- the loop ---------------------------------------------------------------------------
+
+  def _next_batch(self):
+    try:
+      batch = next(self._batches)
+    except StopIteration:
+      raise TrainingStopped("the dataset ran out (config.data.num_epochs reached); "
+                            "raise num_epochs or set it to None to cycle forever.") from None
+    ids = jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch.prompt_ids, np.int32))
+    mask = jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch.prompt_mask, bool))
+    return batch, ids, mask
+
+  def run_step(self) -> dict[str, float]:
+    """One rollout step; returns its host-side metrics."""
+    step = int(self.state.step)
+    t0 = time.perf_counter()
+    batch, ids, mask = self._next_batch()
+    self.reward_fn.set_batch(batch.examples, step=step)
+    self.state, metrics = self.train_step(self.state, ids, mask)
+    metrics = jax.device_get(metrics)
+    t1 = time.perf_counter()
+    out = to_floats({k: v for k, v in metrics.items() if k != "reward/components"})
+    for name, value in zip(self.component_names, np.asarray(metrics["reward/components"]).reshape(-1)):
+      out[f"reward/{name}"] = float(value)
+    out.update({k: float(v) for k, v in self.reward_fn.last_metrics().items()})
+    timing = self.reward_fn.last_timing() if hasattr(self.reward_fn, "last_timing") else None
+    out["time/step"] = t1 - t0
+    if timing:
+      out["time/sample"] = max(timing["start"] - t0, 0.0)
+      out["time/score"] = timing["end"] - timing["start"]
+      out["time/update"] = max(t1 - timing["end"], 0.0)
+    out["throughput/tokens_per_s"] = out["response/tokens"] / max(t1 - t0, 1e-9)
+    out["data/" + "filtered_too_long"] = float(self.batcher.stats().get("filtered_too_long", 0))
+    return out
+
+  def run(self) -> dict[str, Any]:
+    c = self.config
+    writer = MetricsWriter(self.out_dir, tensorboard=c.output.tensorboard)
+    summary: dict[str, Any] = {"output_dir": self.out_dir}
+    try:
+      if c.eval.before_and_after and self.eval_data is not None and self.start_step == 0:
+        summary["eval_before"] = self.evaluate("before")
+        writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
+      progress = _progress(c.train.steps, self.start_step, c.output.progress)
+      for step in range(self.start_step, c.train.steps):
+        m = self.run_step()
+        self.history.append({k: m[k] for k in ("reward/mean", "loss", "time/step") if k in m})
+        writer.write(step + 1, m)
+        progress.update(1)
+        progress.set_postfix({"reward": f"{m.get('reward/mean', 0):.3f}", "loss": f"{m.get('loss', 0):.4f}",
+                              "len": f"{m.get('response/length_mean', 0):.0f}", "s": f"{m['time/step']:.1f}"})
+        if m.get("skipped_consecutive", 0) >= c.optim.max_consecutive_skips:
+          raise TrainingStopped(
+              f"{int(m['skipped_consecutive'])} consecutive updates had non-finite gradients "
+              f"(config.optim.max_consecutive_skips={c.optim.max_consecutive_skips}); the run stopped. The last "
+              f"good checkpoint is in {self.ckpt.directory}. Lower optim.learning_rate or check the rewards.")
+        eval_metrics = None
+        if c.eval.every and (step + 1) % c.eval.every == 0 and step + 1 < c.train.steps:
+          eval_metrics = self.evaluate(f"step{step + 1}")
+          writer.write(step + 1, {f"eval/{k}": v for k, v in eval_metrics.items() if isinstance(v, float)})
+        if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0:
+          self.save(eval_metrics)
+      progress.close()
+      if c.eval.before_and_after and self.eval_data is not None:
+        summary["eval_after"] = self.evaluate("after")
+        writer.write(c.train.steps, {f"eval/{k}": v for k, v in summary["eval_after"].items()
+                                     if isinstance(v, float)})
+      self.save(summary.get("eval_after"), force=True)
+      self.ckpt.wait()
+      summary["checkpoint_dir"] = self.ckpt.directory
+      if c.output.export_hf and jax.process_index() == 0:
+        summary["hf_dir"] = self.export()
+    finally:
+      writer.close()
+      self.ckpt.wait()
+      self.pool.close()
+    summary["metrics_file"] = writer.path
+    return summary
+
+  # ---- evaluation, checkpoints, export -------------------------------------------------------
+
+  def evaluate(self, tag: str) -> dict[str, Any]:
+    from rljax.trainer.evaluate import evaluate_policy
+    c = self.config
+    return evaluate_policy(
+        self.policy.config, self.state.params, self.tokenizer, self.eval_data, self.pool,
+        num_examples=c.eval.num_examples, samples=c.eval.samples,
+        sampling=sampling_params(c, self.tokenizer, num_samples=c.eval.samples, temperature=c.eval.temperature,
+                                 max_new_tokens=c.eval.max_new_tokens or None),
+        max_prompt_tokens=c.data.max_prompt_tokens, batch_prompts=max(c.train.prompts_per_step, 8),
+        out_path=os.path.join(self.out_dir, f"eval_{tag}.jsonl"), seed=c.train.seed)
+
+  def save(self, eval_metrics=None, force=False):
+    extras = {"data": self.batcher.state(), "config": json.loads(config_lib.to_json(self.config)),
+              "metrics": self.history, "model_config": self.policy.config.to_hf(),
+              "tokenizer": self.config.tokenizer or self.config.model.path}
+    metrics = None
+    if eval_metrics:
+      metrics = {f"eval/{k}": v for k, v in eval_metrics.items() if isinstance(v, float)}
+    self.ckpt.save(int(self.state.step), self.state, extras=extras, metrics=metrics, force=force)
+
+  def export(self) -> str:
+    from rljax.models.io import save_pretrained
+    out = os.path.join(self.out_dir, "hf")
+    params = jax.device_get(self.state.params)
+    save_pretrained(self.policy.with_params(params), out, dtype=self.config.output.export_dtype)
+    return out
+
+
+def _state_shardings(state: TrainState, mesh, param_sh):
+  """Params, ref params and param-shaped optimizer moments by logical axes; everything else replicated."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  param_struct = jax.tree.structure(state.params)
+  is_param_tree = lambda n: jax.tree.structure(n) == param_struct
+  opt_sh = jax.tree.map(lambda n: param_sh if is_param_tree(n) else replicated, state.opt_state,
+                        is_leaf=is_param_tree)
+  return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
+                    skipped_total=replicated, skipped_consecutive=replicated,
+                    ref_params=None if state.ref_params is None else param_sh)
+
+
+def _progress(total: int, start: int, enabled: bool):
+  from tqdm.auto import tqdm
+  return tqdm(total=total, initial=start, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)

@@ -1,0 +1,54 @@
+"""Metric sinks: a JSONL file (one object per step) and TensorBoard event files."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Mapping
+
+import numpy as np
+
+
+def to_floats(metrics: Mapping, prefix: str = "") -> dict[str, float]:
+  """Flattens nested dicts and small arrays into {name: float}."""
+  out: dict[str, float] = {}
+  for k, v in metrics.items():
+    name = f"{prefix}{k}"
+    if isinstance(v, Mapping):
+      out.update(to_floats(v, name + "/"))
+      continue
+    arr = np.asarray(v)
+    if arr.ndim == 0:
+      out[name] = float(arr)
+    else:
+      for i, x in enumerate(arr.reshape(-1)):
+        out[f"{name}/{i}"] = float(x)
+  return out
+
+
+class MetricsWriter:
+  """Appends each step's metrics to `metrics.jsonl` and (optionally) TensorBoard under `tb/`."""
+
+  def __init__(self, directory: str, tensorboard: bool = True):
+    os.makedirs(directory, exist_ok=True)
+    self.path = os.path.join(directory, "metrics.jsonl")
+    self._file = open(self.path, "a", encoding="utf-8")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(os.path.join(directory, "tb"))
+
+  def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+    self._file.write(json.dumps({"step": step, **clean}) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in metrics.items():
+        if math.isfinite(v):
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()

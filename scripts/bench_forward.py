@@ -1,0 +1,108 @@
+"""Forward-pass throughput of a policy, and the fraction of this machine's matmul peak it reaches.
+
+    python scripts/bench_forward.py                     # SmolLM2-135M, batch 16 x 128, float32
+    python scripts/bench_forward.py --dtype bfloat16 --batch 8 --length 256
+
+Reports (median of --iters timed runs, compilation and one warm-up run excluded):
+  * the machine's measured matmul rate: a jitted jnp.matmul of --peak-size^3 in the same dtype;
+  * forward tokens/s and achieved FLOP/s, with FLOPs = 2 * (matmul parameters) * tokens + attention
+    (4 * B * T^2 * H * Dh per layer: QK^T and PV over the full T x T score matrix, which is what the
+    implementation computes), and the fraction of the measured peak.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def timed(fn, iters: int) -> float:
+  """Median seconds of `fn()` (which must block until done) over `iters` runs, after one warm-up."""
+  fn()
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def matmul_peak(size: int, dtype, iters: int) -> float:
+  """Measured FLOP/s of a jitted [size, size] @ [size, size] matmul."""
+  k1, k2 = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(k1, (size, size), dtype)
+  b = jax.random.normal(k2, (size, size), dtype)
+  f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=dtype))
+  f(a, b).block_until_ready()
+  return 2 * size**3 / timed(lambda: f(a, b).block_until_ready(), iters)
+
+
+def forward_flops(config, batch: int, length: int) -> tuple[float, float]:
+  """(matmul FLOPs, attention FLOPs) of one forward over batch x length tokens."""
+  c = config
+  per_layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
+  matmul_params = c.num_layers * per_layer + c.vocab_size * c.hidden_size  # + the output projection
+  tokens = batch * length
+  attention = 4 * batch * length * length * c.num_heads * c.head_dim * c.num_layers
+  return 2.0 * matmul_params * tokens, float(attention)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="smollm2-135m-instruct", help="HF dir, .gguf file or built-in name")
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--length", type=int, default=128)
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--iters", type=int, default=5)
+  p.add_argument("--peak-size", type=int, default=2048)
+  args = p.parse_args(argv)
+
+  from rljax.models.io import load_pretrained
+
+  dtype = jnp.dtype(args.dtype)
+  peak = matmul_peak(args.peak_size, dtype, args.iters)
+
+  policy = load_pretrained(args.model, dtype=args.dtype, param_dtype=args.dtype, tokenizer=False)
+  c = policy.config
+  rng = np.random.RandomState(0)
+  ids = jnp.asarray(rng.randint(0, c.vocab_size, (args.batch, args.length)), jnp.int32)
+  mask = jnp.ones(ids.shape, bool)
+  start = time.perf_counter()
+  policy(ids, mask).block_until_ready()
+  compile_s = time.perf_counter() - start
+  seconds = timed(lambda: policy(ids, mask).block_until_ready(), args.iters)
+
+  mm, attn = forward_flops(c, args.batch, args.length)
+  tokens = args.batch * args.length
+  achieved = (mm + attn) / seconds
+  dev = jax.devices()[0]
+  rows = [
+      ("device", f"{dev.platform} ({dev.device_kind}), {jax.device_count()} device(s), {os.cpu_count()} CPU cores"),
+      ("model", f"{args.model}: {c.num_params / 1e6:.1f}M params, {c.num_layers} layers, d={c.hidden_size}"),
+      ("shape / dtype", f"batch {args.batch} x {args.length} tokens, {args.dtype}"),
+      (f"matmul peak ({args.peak_size}^3)", f"{peak / 1e9:.1f} GFLOP/s"),
+      ("first call (compile + run)", f"{compile_s:.2f} s"),
+      (f"forward (median of {args.iters})", f"{seconds * 1e3:.1f} ms"),
+      ("throughput", f"{tokens / seconds:,.0f} tokens/s"),
+      ("FLOPs / forward", f"{(mm + attn) / 1e9:.1f} G (matmuls {mm / 1e9:.1f} G + attention {attn / 1e9:.2f} G)"),
+      ("achieved", f"{achieved / 1e9:.1f} GFLOP/s"),
+      ("fraction of measured peak", f"{achieved / peak:.1%}"),
+  ]
+  width = max(len(k) for k, _ in rows)
+  print("-" * (width + 50))
+  for k, v in rows:
+    print(f"{k:<{width}}  {v}")
+  print("-" * (width + 50))
+  return rows
+
+
+if __name__ == "__main__":
+  main()

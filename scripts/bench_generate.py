@@ -1,0 +1,192 @@
+"""Benchmark: rljax's in-graph sampler against transformers `generate`, in the same run.
+
+SmolLM2-135M-Instruct (the built-in model), 8 chat prompts x G=8 completions, 128 new tokens,
+sampled at temperature 1.0 with no truncation, float32 on this machine's CPU. Both sides use the
+same weights, the same prompts and the same settings, and make exactly 128 tokens per completion
+(stop tokens are disabled on both sides so the work is identical).
+
+Prints rljax tokens/s, transformers tokens/s, their ratio, and the fraction of the compute roofline:
+roofline tokens/s = measured fp32 matmul peak (FLOP/s) / (2 * parameter count).
+
+  python scripts/bench_generate.py [--prompts 8] [--samples 8] [--new-tokens 128] [--repeats 2]
+                                   [--top-p 1.0] [--top-k 0] [--skip-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import rljax  # noqa: E402
+from rljax.sampling import SamplingParams, generate  # noqa: E402
+
+QUESTIONS = [
+    "What is 17 + 25? Answer with just the number.",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a prime number is.",
+    "What is the capital of France?",
+    "Give me a short tip for learning to cook.",
+    "What is 9 times 7?",
+    "Describe a cat in two sentences.",
+    "List four fruits that are red.",
+    "Why is the sky blue? Keep it brief.",
+    "Translate 'good morning' into Spanish.",
+    "What comes after Tuesday?",
+    "Suggest a name for a pet goldfish.",
+    "How many legs does a spider have?",
+    "Write one sentence about autumn.",
+    "What is 100 minus 37?",
+]
+
+
+def matmul_peak(n: int = 2048, repeats: int = 6) -> float:
+  """Best observed fp32 FLOP/s of an n x n x n jitted matmul."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+  f = jax.jit(jnp.matmul)
+  f(a, b).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2 * n**3 / best
+
+
+def build_prompts(policy, num_prompts: int) -> list[list[int]]:
+  tok = policy.tokenizer
+  out = []
+  for i in range(num_prompts):
+    messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+    out.append(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+  return out
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  width = max(len(p) for p in prompts)
+  ids = np.full((len(prompts), width), pad_id, np.int64)
+  mask = np.zeros((len(prompts), width), np.int64)
+  for i, p in enumerate(prompts):
+    ids[i, width - len(p):] = p
+    mask[i, width - len(p):] = 1
+  return ids, mask
+
+
+def bench_rljax(policy, ids, mask, sp: SamplingParams, repeats: int):
+  t = time.perf_counter()
+  out = generate(policy, ids, sp, jax.random.key(0), prompt_mask=mask, eos_ids=())
+  jax.block_until_ready(out)
+  first = time.perf_counter() - t
+  times = []
+  for r in range(repeats):
+    t = time.perf_counter()
+    out = generate(policy, ids, sp, jax.random.key(r + 1), prompt_mask=mask, eos_ids=())
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - t)
+  return int(np.asarray(out.lengths).sum()), times, first, out
+
+
+def hf_model(policy):
+  import torch
+  import transformers
+  from rljax.models.convert import params_to_hf
+  hf_cfg = transformers.AutoConfig.for_model(**policy.config.to_hf())
+  model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+  tensors = {k: torch.from_numpy(v) for k, v in params_to_hf(policy.config, policy.params).items()}
+  missing, unexpected = model.load_state_dict(tensors, strict=False)
+  if unexpected or [m for m in missing if m != "lm_head.weight"]:
+    raise RuntimeError(f"weights did not load into transformers: missing={missing} unexpected={unexpected}")
+  model.tie_weights()
+  model.generation_config.eos_token_id = None
+  return model
+
+
+def bench_hf(model, ids, mask, sp: SamplingParams, repeats: int):
+  import torch
+  kw = dict(do_sample=True, temperature=sp.temperature, top_k=sp.top_k or None, top_p=sp.top_p,
+            max_new_tokens=sp.max_new_tokens, min_new_tokens=sp.max_new_tokens, num_return_sequences=sp.num_samples,
+            eos_token_id=None, pad_token_id=0)
+  ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+  with torch.inference_mode():
+    model.generate(ids_t[:1], attention_mask=mask_t[:1], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2,
+                                                           "num_return_sequences": 1})
+    times, n = [], 0
+    for r in range(repeats):
+      torch.manual_seed(r)
+      t = time.perf_counter()
+      out = model.generate(ids_t, attention_mask=mask_t, **kw)
+      times.append(time.perf_counter() - t)
+      n = int((out.shape[1] - ids.shape[1]) * out.shape[0])
+  return n, times
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--model", default="smollm2-135m-instruct")
+  ap.add_argument("--prompts", type=int, default=8)
+  ap.add_argument("--samples", type=int, default=8)
+  ap.add_argument("--new-tokens", type=int, default=128)
+  ap.add_argument("--temperature", type=float, default=1.0)
+  ap.add_argument("--top-k", type=int, default=0)
+  ap.add_argument("--top-p", type=float, default=1.0)
+  ap.add_argument("--repeats", type=int, default=2, help="timed runs per side (best and median reported)")
+  ap.add_argument("--hf-repeats", type=int, default=1)
+  ap.add_argument("--skip-hf", action="store_true")
+  args = ap.parse_args(argv)
+
+  policy = rljax.load_pretrained(args.model)
+  cfg = policy.config
+  sp = SamplingParams(num_samples=args.samples, max_new_tokens=args.new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p)
+  prompts = build_prompts(policy, args.prompts)
+  ids, mask = left_pad(prompts, cfg.pad_token_id or 0)
+  rows = args.prompts * args.samples
+  print(f"model {args.model}: {cfg.num_params / 1e6:.1f}M params, {cfg.num_layers} layers, dtype {cfg.dtype}; "
+        f"{jax.device_count()} x {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
+  print(f"work: {args.prompts} prompts (width {ids.shape[1]}, lengths {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))}) x G={args.samples} = {rows} rows x {args.new_tokens} new tokens; "
+        f"temperature {sp.temperature}, top_k {sp.top_k}, top_p {sp.top_p}; stop tokens off")
+  slots = ids.shape[1] + args.new_tokens
+  kv_bytes = 2 * cfg.num_layers * rows * slots * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+  print(f"KV cache: 2 * L * P * G * (Lp + T) * K * Dh * bytes = {kv_bytes / 2**20:.0f} MiB")
+
+  peak = matmul_peak()
+  roofline = peak / (2 * cfg.num_params)
+  print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s -> roofline {roofline:.0f} tokens/s")
+
+  n, times, first, out = bench_rljax(policy, ids, mask, sp, args.repeats)
+  best, med = min(times), statistics.median(times)
+  rl_tps = n / best
+  print(f"rljax: {n} tokens, first call {first:.1f} s (compile + run), runs {', '.join(f'{t:.1f}' for t in times)} s "
+        f"-> {rl_tps:.1f} tokens/s (best), {n / med:.1f} (median)")
+  peak2 = matmul_peak()
+  print(f"matmul peak re-measured after rljax: {peak2 / 1e9:.1f} GFLOP/s")
+  sample_text = policy.tokenizer.decode(np.asarray(out.tokens[0])) if policy.tokenizer is not None else ""
+  print(f"rljax sample completion: {sample_text[:160]!r}")
+
+  if not args.skip_hf:
+    import torch
+    model = hf_model(policy)
+    hn, htimes = bench_hf(model, ids, mask, sp, args.hf_repeats)
+    hf_tps = hn / min(htimes)
+    print(f"transformers {__import__('transformers').__version__} (torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads): {hn} tokens, runs {', '.join(f'{t:.1f}' for t in htimes)} s "
+          f"-> {hf_tps:.1f} tokens/s")
+    print(f"ratio rljax / transformers: {rl_tps / hf_tps:.2f}x")
+  peak = max(peak, peak2)
+  roofline = peak / (2 * cfg.num_params)
+  print(f"roofline fraction: {rl_tps:.1f} / {roofline:.0f} tokens/s = {rl_tps / roofline:.0%} "
+        f"(peak {peak / 1e9:.1f} GFLOP/s, 2 x {cfg.num_params / 1e6:.1f}M FLOP/token)")
+
+
+if __name__ == "__main__":
+  main()
