@@ -51,10 +51,11 @@ def make_mesh(shape: Sequence[int] | None = None, devices=None) -> Mesh:
     if n % known:
       raise ConfigError(f"mesh.shape={tuple(shape)}: {n} devices are not divisible by {known}.")
     shape[shape.index(-1)] = n // known
-  if math.prod(shape) != n:
+  if math.prod(shape) > n:
     raise ConfigError(f"mesh.shape={tuple(shape)} needs {math.prod(shape)} devices but {n} are available; "
-                      "set mesh.shape so its product equals the device count (or use -1 for one axis).")
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+                      "set mesh.shape so its product is at most the device count (or use -1 for one axis).")
+  # A smaller mesh uses the first devices (handy to compare 1 vs 8 devices in one process).
+  return Mesh(np.asarray(devices[:math.prod(shape)]).reshape(shape), MESH_AXES)
 
 
 def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,

@@ -8,7 +8,7 @@ from rljax.config import base_config
 def get_config():
   c = base_config()
   c.model.path = "smollm2-135m-instruct"
-  c.data.sources = [dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=2, seed=0)]
+  c.data.sources = [dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=1, seed=0)]
   c.data.prompt_template = "{prompt}\nAnswer with just the number."
   c.data.max_prompt_tokens = 64
   c.sampling.num_samples = 8

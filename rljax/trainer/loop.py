@@ -29,6 +29,10 @@ class TrainingStopped(RljaxError):
   """The run stopped on purpose (e.g. too many non-finite updates); the last good checkpoint is kept."""
 
 
+class DataExhausted(TrainingStopped):
+  """The training data ran out before train.steps; a checkpoint of the last step is saved first."""
+
+
 def load_policy(model_cfg, tokenizer_path: str = "") -> Policy:
   """The policy named by config.model: pretrained weights, or a random model for tests."""
   from rljax.models.config import ModelConfig
@@ -158,7 +162,7 @@ class Trainer:
     try:
       batch = next(self._batches)
     except StopIteration:
-      raise TrainingStopped("the dataset ran out (config.data.num_epochs reached); "
+      raise DataExhausted("the dataset ran out (config.data.num_epochs reached); "
                             "raise num_epochs or set it to None to cycle forever.") from None
     ids = jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch.prompt_ids, np.int32))
     mask = jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch.prompt_mask, bool))
@@ -197,12 +201,16 @@ class Trainer:
         writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
       progress = _progress(c.train.steps, self.start_step, c.output.progress)
       for step in range(self.start_step, c.train.steps):
-        m = self.run_step()
+        try:
+          m = self.run_step()
+        except DataExhausted:
+          self.save(force=True)   # keep everything trained so far, then stop
+          raise
         self.history.append({k: m[k] for k in ("reward/mean", "loss", "time/step") if k in m})
         writer.write(step + 1, m)
         progress.update(1)
         progress.set_postfix({"reward": f"{m.get('reward/mean', 0):.3f}", "loss": f"{m.get('loss', 0):.4f}",
-                              "len": f"{m.get('response/length_mean', 0):.0f}", "s": f"{m['time/step']:.1f}"})
+                              "len": f"{m.get('response_length_mean', 0):.0f}", "s": f"{m['time/step']:.1f}"})
         if m.get("skipped_consecutive", 0) >= c.optim.max_consecutive_skips:
           raise TrainingStopped(
               f"{int(m['skipped_consecutive'])} consecutive updates had non-finite gradients "
@@ -212,7 +220,8 @@ class Trainer:
         if c.eval.every and (step + 1) % c.eval.every == 0 and step + 1 < c.train.steps:
           eval_metrics = self.evaluate(f"step{step + 1}")
           writer.write(step + 1, {f"eval/{k}": v for k, v in eval_metrics.items() if isinstance(v, float)})
-        if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0:
+        # Only a step whose update went through is a "good" checkpoint.
+        if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0 and m.get("skipped_consecutive", 0) == 0:
           self.save(eval_metrics)
       progress.close()
       if c.eval.before_and_after and self.eval_data is not None:

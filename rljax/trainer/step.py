@@ -183,21 +183,14 @@ def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
 
 
 def _rollout_metrics(spec: StepSpec, rollout: dict, rewards_pg: jax.Array) -> dict[str, jax.Array]:
-  lengths = rollout["lengths"].astype(jnp.float32)
   mask = rollout["mask"]
   tokens = jnp.maximum(mask.sum(), 1)
-  diff = jnp.abs(rollout["lp_old"] - rollout["lp_samp"]) * mask
   comps = rollout["components"]
   out = {
       "reward/mean": rewards_pg.mean(),
       "reward/std": rewards_pg.std(),
-      "response/length_mean": lengths.mean(),
-      "response/length_max": lengths.max(),
-      "response/length_min": lengths.min(),
-      "response/truncated_frac": rollout["truncated"].astype(jnp.float32).mean(),
       "response/tokens": rollout["lengths"].sum().astype(jnp.float32),
       "sampler/entropy": (rollout["entropy_samp"] * mask).sum() / tokens,
-      "sampler/logprob_diff_max": diff.max(),
       "reward/components": comps.mean(axis=0),
   }
   return out
