@@ -11,18 +11,18 @@ def get_config():
   c.data.sources = [dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=1, seed=0)]
   c.data.prompt_template = "{prompt}\nAnswer with just the number."
   c.data.max_prompt_tokens = 64
-  c.sampling.num_samples = 8
+  c.sampling.num_samples = 4
   c.sampling.max_new_tokens = 24
   c.sampling.temperature = 1.0
   c.rl.preset = "grpo"
   c.rl.kl_coef = 0.0                    # no reference model: saves a forward pass and its memory
   c.rewards.components = [dict(name="correct", verifier="arithmetic", weight=1.0)]
-  c.optim.learning_rate = 5e-6
+  c.optim.learning_rate = 1e-5
   c.optim.warmup_steps = 2
-  c.train.steps = 20
+  c.train.steps = 16
   c.train.prompts_per_step = 8
   c.eval.num_examples = 128
   c.eval.before_and_after = True
-  c.checkpoint.every = 10
+  c.checkpoint.every = 8
   c.output.dir = "runs/default"
   return c

@@ -105,7 +105,7 @@ def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
 
   def accumulate(params, batch):
     """Loss, summed grads and mean metrics over micro-batches (split by whole groups)."""
-    den = make_denominators(batch["mask"], g, cfg)
+    den = make_denominators(batch["mask"], g, cfg, truncated=batch["truncated"])
     n = spec.micro_batches
     micro = jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
