@@ -16,6 +16,8 @@ inside its step); `generate` is the convenience entry point for a `Policy`. The 
 3. Decode: `lax.while_loop`, one token per iteration for all B rows ([B, 1, V] logits), new
    tokens written at slots Lp, Lp + 1, ... A row stops after emitting any stop id (the EOS ids
    plus `stop_token_ids`); the loop ends when every row has stopped or T tokens were made.
+   The loop runs the model's own `DecoderLayer` once per layer (`decode_step`) on one cache
+   array per layer, with the stacked layer weights sliced once before the loop.
 
 The recorded distribution (what the learner recomputes, verl/TRL convention): with
 `tau = sp.logprob_temperature`, `logp = log_softmax(logits / tau)` over the full vocabulary.
@@ -24,9 +26,10 @@ Top-k / top-p / min-p only restrict which token is drawn; they never change the 
 log-prob, which is the un-truncated log-prob. Greedy decoding takes the argmax of the logits;
 its log-probs are recorded at `tau = temperature`, where temperature 0 means tau = 1.
 
-Memory of the decode cache (the compute dtype): 2 (k and v) * L * P * G * (Lp + T) * K * Dh *
+Memory: the decode cache (compute dtype) is 2 (k and v) * L * P * G * (Lp + T) * K * Dh *
 bytes(dtype), plus the transient prefill cache, 1/G of that. SmolLM2-135M (L=30, K=3, Dh=64) in
-float32 with P=8, G=8, Lp=64, T=128: 2 * 30 * 64 * 192 * 3 * 64 * 4 B = 566 MB.
+float32 with P=8, G=8, Lp=64, T=128: 2 * 30 * 64 * 192 * 3 * 64 * 4 B = 566 MB. The per-layer
+weight slices are a second copy of the layer weights for the duration of the call.
 """
 from __future__ import annotations
 
@@ -353,7 +356,8 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
   rows = lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-  layer_kv = lambda x: constrain(x, ("batch", "kv_heads", "length", "head_dim"))
+  layer_k = lambda x: constrain(x, ("batch", "kv_heads", "head_dim", "length"))
+  layer_v = lambda x: constrain(x, ("batch", "kv_heads", "length", "head_dim"))
 
   prompt_ids = rows(jnp.asarray(prompt_ids, jnp.int32))
   prompt_mask = rows(jnp.asarray(prompt_mask, bool))
@@ -361,8 +365,8 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
 
   # 1. Prefill, once per prompt, through the learner's forward.
   cache = KVCache.zeros(config, p, slots)
-  kv_axes = ("layers", "batch", "kv_heads", "length", "head_dim")
-  cache = cache._replace(k=constrain(cache.k, kv_axes), v=constrain(cache.v, kv_axes))
+  cache = cache._replace(k=constrain(cache.k, ("layers", "batch", "kv_heads", "head_dim", "length")),
+                         v=constrain(cache.v, ("layers", "batch", "kv_heads", "length", "head_dim")))
   hidden, cache = apply_model(config, params, prompt_ids, positions_from_mask(prompt_mask), prompt_mask, cache,
                               return_hidden=True)
   last = _last_true(prompt_mask)
@@ -371,8 +375,8 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
 
   # 2. Fan out to G rows per prompt; the decode loop keeps one cache array per layer.
   fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis, total_repeat_length=x.shape[axis] * g)
-  ks = tuple(layer_kv(fan(cache.k[i])) for i in range(config.num_layers))
-  vs = tuple(layer_kv(fan(cache.v[i])) for i in range(config.num_layers))
+  ks = tuple(layer_k(fan(cache.k[i])) for i in range(config.num_layers))
+  vs = tuple(layer_v(fan(cache.v[i])) for i in range(config.num_layers))
   kv_mask = rows(fan(cache.kv_mask))
   logits = rows(fan(logits))
   prompt_len = fan(prompt_len)
@@ -409,7 +413,7 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
     logits, ks, vs, kv_mask = decode_step(config, params, layer_params, tok, prompt_len + t - 1, ~done, ks, vs,
                                           kv_mask, width + t - 1)
     state, tok = choose(state, rows(logits), t)
-    return (t + 1, tok, tuple(map(layer_kv, ks)), tuple(map(layer_kv, vs)), rows(kv_mask), state)
+    return (t + 1, tok, tuple(map(layer_k, ks)), tuple(map(layer_v, vs)), rows(kv_mask), state)
 
   carry = (jnp.int32(1), tok, ks, vs, kv_mask, state)
   state = jax.lax.while_loop(cond, body, carry)[-1]
@@ -429,7 +433,8 @@ def _split_layers(stacked, num_layers: int) -> list:
 def decode_step(config: ModelConfig, params, layer_params, tokens, positions, token_mask, ks, vs, kv_mask, index):
   """One new token per row through the model, the layers unrolled over per-layer caches.
 
-  tokens, positions: [B] int32; token_mask: [B] bool; ks, vs: L arrays [B, K, S, Dh];
+  tokens, positions: [B] int32; token_mask: [B] bool; ks: L arrays [B, K, Dh, S]; vs: L arrays
+  [B, K, S, Dh];
   kv_mask: [B, S] bool; index: [] int32, the slot to write. Returns logits [B, V] float32 and the
   updated ks, vs, kv_mask.
 

@@ -31,10 +31,14 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 class KVCache(NamedTuple):
   """Preallocated keys and values of every layer.
 
-  k, v: [L, B, K, S, Dh] in the compute dtype; kv_mask: [B, S] bool (slot holds a real
-  token); index: [] int32, the next slot to write. Memory: 2 * L * B * S * K * Dh * bytes.
-  Slots sit next to each other per (row, KV head), so attention reads a layer's cache as a
-  batched matmul operand without transposing it (decode is bound by reading the cache).
+  k: [L, B, K, Dh, S] (keys stored transposed), v: [L, B, K, S, Dh], both in the compute
+  dtype; kv_mask: [B, S] bool (slot holds a real token); index: [] int32, the next slot to
+  write. Memory: 2 * L * B * S * K * Dh * bytes.
+
+  Decode reads the whole cache every token, so its layout is chosen for that read: with (row,
+  KV head) leading and slots contiguous, one-token attention is a pair of reductions that
+  stream the cache once, with no transposed copy of it (the [L, B, S, K, Dh] layout made XLA
+  transpose every layer's cache on every step, several times slower on CPU).
   """
   k: jax.Array
   v: jax.Array
@@ -43,8 +47,9 @@ class KVCache(NamedTuple):
 
   @classmethod
   def zeros(cls, config: ModelConfig, batch: int, slots: int) -> "KVCache":
-    shape = (config.num_layers, batch, config.num_kv_heads, slots, config.head_dim)
-    return cls(jnp.zeros(shape, config.compute_dtype), jnp.zeros(shape, config.compute_dtype),
+    k_shape = (config.num_layers, batch, config.num_kv_heads, config.head_dim, slots)
+    v_shape = (config.num_layers, batch, config.num_kv_heads, slots, config.head_dim)
+    return cls(jnp.zeros(k_shape, config.compute_dtype), jnp.zeros(v_shape, config.compute_dtype),
                jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32))
 
 
@@ -103,7 +108,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, cos, sin, mask, layer_cache):
-    """x: [B, T, D]; mask: [B, T, S] bool; layer_cache: (k, v, index), k/v [B, K, S, Dh], or None."""
+    """x: [B, T, D]; mask: [B, T, S] bool; layer_cache: (k [B, K, Dh, S], v [B, K, S, Dh], index) or None."""
     c = self.config
     dt, pdt = c.compute_dtype, c.storage_dtype
     init = nn.initializers.normal(0.02)
@@ -134,17 +139,24 @@ class Attention(nn.Module):
       out = jnp.einsum("bkrts,bskd->btkrd", probs, val)
     else:
       ck, cv, index = layer_cache
-      ck = jax.lax.dynamic_update_slice_in_dim(ck, key.transpose(0, 2, 1, 3).astype(ck.dtype), index, axis=2)
+      ck = jax.lax.dynamic_update_slice_in_dim(ck, key.transpose(0, 2, 3, 1).astype(ck.dtype), index, axis=3)
       cv = jax.lax.dynamic_update_slice_in_dim(cv, val.transpose(0, 2, 1, 3).astype(cv.dtype), index, axis=2)
       new_cache = (ck, cv)
-      # The cache is the left operand of a batched matmul over (row, KV head): on CPU the right
-      # operand is repacked on every call, and repacking the cache would cost more than reading it.
-      qk = qg.transpose(0, 2, 1, 3, 4)  # [B, K, T, R, Dh]
-      scores = jnp.einsum("bksd,bktrd->bkstr", ck.astype(dt), qk, preferred_element_type=jnp.float32)
-      scores = scores.transpose(0, 1, 3, 4, 2) / math.sqrt(dh)  # [B, K, T, R, S]
+      kt, vv = ck.astype(dt), cv.astype(dt)
+      if t == 1:
+        # Decode: products summed in place read the cache once; batched matmuls with 1-token
+        # operands run far below memory speed on CPU.
+        q1 = qg[:, 0].astype(jnp.float32)  # [B, K, R, Dh]
+        scores = jnp.sum(q1[..., None] * kt[:, :, None].astype(jnp.float32), axis=3)[:, :, None]  # [B, K, 1, R, S]
+      else:
+        scores = jnp.einsum("btkrd,bkds->bktrs", qg, kt, preferred_element_type=jnp.float32)
+      scores = scores / math.sqrt(dh)
       scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
       probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-      out = jnp.einsum("bktrs,bksd->btkrd", probs, cv.astype(dt))
+      if t == 1:
+        out = jnp.sum(probs[:, :, 0, :, :, None] * vv[:, :, None], axis=3)[:, None]  # [B, 1, K, R, Dh]
+      else:
+        out = jnp.einsum("bktrs,bksd->btkrd", probs, vv)
     out = out.reshape(b, t, h, dh)
     wo = _param(self, "o_kernel", init, (h, dh, d), ("heads", "head_dim", "embed"), pdt)
     return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_cache
