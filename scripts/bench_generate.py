@@ -81,18 +81,12 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndar
   return ids, mask
 
 
-def bench_rljax(policy, ids, mask, sp: SamplingParams, repeats: int):
+def run_rljax(policy, ids, mask, sp: SamplingParams, seed: int):
+  """Seconds and generated tokens of one `generate` call."""
   t = time.perf_counter()
-  out = generate(policy, ids, sp, jax.random.key(0), prompt_mask=mask, eos_ids=())
+  out = generate(policy, ids, sp, jax.random.key(seed), prompt_mask=mask, eos_ids=())
   jax.block_until_ready(out)
-  first = time.perf_counter() - t
-  times = []
-  for r in range(repeats):
-    t = time.perf_counter()
-    out = generate(policy, ids, sp, jax.random.key(r + 1), prompt_mask=mask, eos_ids=())
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - t)
-  return int(np.asarray(out.lengths).sum()), times, first, out
+  return time.perf_counter() - t, int(np.asarray(out.lengths).sum()), out
 
 
 def hf_model(policy):
@@ -110,23 +104,21 @@ def hf_model(policy):
   return model
 
 
-def bench_hf(model, ids, mask, sp: SamplingParams, repeats: int):
+def hf_kwargs(sp: SamplingParams) -> dict:
+  return dict(do_sample=True, temperature=sp.temperature, top_k=sp.top_k or None, top_p=sp.top_p,
+              max_new_tokens=sp.max_new_tokens, min_new_tokens=sp.max_new_tokens,
+              num_return_sequences=sp.num_samples, eos_token_id=None, pad_token_id=0)
+
+
+def run_hf(model, ids, mask, sp: SamplingParams, seed: int):
+  """Seconds and generated tokens of one transformers `generate` call (HF repeats each prompt G times)."""
   import torch
-  kw = dict(do_sample=True, temperature=sp.temperature, top_k=sp.top_k or None, top_p=sp.top_p,
-            max_new_tokens=sp.max_new_tokens, min_new_tokens=sp.max_new_tokens, num_return_sequences=sp.num_samples,
-            eos_token_id=None, pad_token_id=0)
-  ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+  torch.manual_seed(seed)
   with torch.inference_mode():
-    model.generate(ids_t[:1], attention_mask=mask_t[:1], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2,
-                                                           "num_return_sequences": 1})
-    times, n = [], 0
-    for r in range(repeats):
-      torch.manual_seed(r)
-      t = time.perf_counter()
-      out = model.generate(ids_t, attention_mask=mask_t, **kw)
-      times.append(time.perf_counter() - t)
-      n = int((out.shape[1] - ids.shape[1]) * out.shape[0])
-  return n, times
+    t = time.perf_counter()
+    out = model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), **hf_kwargs(sp))
+    dt = time.perf_counter() - t
+  return dt, int((out.shape[1] - ids.shape[1]) * out.shape[0])
 
 
 def main(argv=None):
@@ -138,8 +130,7 @@ def main(argv=None):
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--top-k", type=int, default=0)
   ap.add_argument("--top-p", type=float, default=1.0)
-  ap.add_argument("--repeats", type=int, default=2, help="timed runs per side (best and median reported)")
-  ap.add_argument("--hf-repeats", type=int, default=1)
+  ap.add_argument("--repeats", type=int, default=2, help="timed runs per side, alternating (best and median reported)")
   ap.add_argument("--skip-hf", action="store_true")
   args = ap.parse_args(argv)
 
@@ -160,32 +151,41 @@ def main(argv=None):
   print(f"KV cache: 2 * L * P * G * (Lp + T) * K * Dh * bytes = {kv_bytes / 2**20:.0f} MiB")
 
   peak = matmul_peak()
-  roofline = peak / (2 * cfg.num_params)
-  print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s -> roofline {roofline:.0f} tokens/s")
+  print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
 
-  n, times, first, out = bench_rljax(policy, ids, mask, sp, args.repeats)
-  best, med = min(times), statistics.median(times)
-  rl_tps = n / best
-  print(f"rljax: {n} tokens, first call {first:.1f} s (compile + run), runs {', '.join(f'{t:.1f}' for t in times)} s "
-        f"-> {rl_tps:.1f} tokens/s (best), {n / med:.1f} (median)")
-  peak2 = matmul_peak()
-  print(f"matmul peak re-measured after rljax: {peak2 / 1e9:.1f} GFLOP/s")
-  sample_text = policy.tokenizer.decode(np.asarray(out.tokens[0])) if policy.tokenizer is not None else ""
-  print(f"rljax sample completion: {sample_text[:160]!r}")
-
+  t, _, _ = run_rljax(policy, ids, mask, sp, 0)
+  print(f"rljax first call (compile + run): {t:.1f} s")
+  model = None
   if not args.skip_hf:
     import torch
+    import transformers
     model = hf_model(policy)
-    hn, htimes = bench_hf(model, ids, mask, sp, args.hf_repeats)
-    hf_tps = hn / min(htimes)
-    print(f"transformers {__import__('transformers').__version__} (torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads): {hn} tokens, runs {', '.join(f'{t:.1f}' for t in htimes)} s "
-          f"-> {hf_tps:.1f} tokens/s")
-    print(f"ratio rljax / transformers: {rl_tps / hf_tps:.2f}x")
-  peak = max(peak, peak2)
+    run_hf(model, ids[:1], mask[:1], SamplingParams(1, 2), 0)  # warm-up
+    print(f"transformers {transformers.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
+  # rljax and transformers runs alternate, so load from other processes on this shared machine
+  # hits both sides alike; each pair gives a ratio.
+  rl, hf, ratios = [], [], []
+  for r in range(args.repeats):
+    t, n, out = run_rljax(policy, ids, mask, sp, r + 1)
+    rl.append(n / t)
+    line = f"run {r + 1}: rljax {n} tokens in {t:.1f} s = {n / t:.1f} tokens/s"
+    if model is not None:
+      t, hn = run_hf(model, ids, mask, sp, r + 1)
+      hf.append(hn / t)
+      ratios.append(rl[-1] / hf[-1])
+      line += f"; transformers {hn} tokens in {t:.1f} s = {hn / t:.1f} tokens/s; ratio {ratios[-1]:.2f}x"
+    print(line, flush=True)
+  peak = max(peak, matmul_peak())
   roofline = peak / (2 * cfg.num_params)
-  print(f"roofline fraction: {rl_tps:.1f} / {roofline:.0f} tokens/s = {rl_tps / roofline:.0%} "
-        f"(peak {peak / 1e9:.1f} GFLOP/s, 2 x {cfg.num_params / 1e6:.1f}M FLOP/token)")
+  text = policy.tokenizer.decode(np.asarray(out.tokens[0])) if policy.tokenizer is not None else ""
+  print(f"rljax sample completion: {text[:120]!r}")
+  print(f"rljax: {max(rl):.1f} tokens/s (best), {statistics.median(rl):.1f} (median)")
+  if hf:
+    print(f"transformers: {max(hf):.1f} tokens/s (best), {statistics.median(hf):.1f} (median)")
+    print(f"ratio rljax / transformers: {max(rl) / max(hf):.2f}x (best vs best), {statistics.median(ratios):.2f}x "
+          "(median of paired runs)")
+  print(f"roofline: {peak / 1e9:.1f} GFLOP/s (best measured) / (2 x {cfg.num_params / 1e6:.1f}M) = {roofline:.0f} "
+        f"tokens/s; rljax at {max(rl) / roofline:.0%} of it")
 
 
 if __name__ == "__main__":
