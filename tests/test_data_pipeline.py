@@ -207,3 +207,32 @@ def test_restore_rejects_state_of_another_pipeline():
   assert [e["id"] for e in next(c).examples] == [f"arithmetic:train:{i}" for i in range(2, 6)]
   with pytest.raises(DataError, match="not a version-1"):
     a.restore({"position": 3})
+
+
+def test_distinct_batcher_skips_repeats_and_ends_when_the_space_is_exhausted(monkeypatch):
+  monkeypatch.setattr(batching, "_MAX_CONSECUTIVE_SKIPS", 2000)
+  # One-digit held-out problems at the default share: about 19 distinct ones in an endless stream.
+  cfg = {"sources": [{"kind": "arithmetic", "difficulty": 1}], "shuffle": False}
+  batcher = PromptBatcher(build_dataset(cfg, split="test"), FakeByteTokenizer(), 4, drop_remainder=False,
+                          distinct=True)
+  prompts = [e["prompt"] for batch in batcher for e in batch.examples]
+  assert len(prompts) == len(set(prompts))
+  task = build_dataset(cfg, split="test")
+  assert set(prompts) == {task[i]["prompt"] for i in range(3000)}   # all of them, each once
+  assert batcher.stats()["duplicates"] >= 2000
+
+
+@pytest.mark.parametrize("total", [40, 37])
+def test_block_shards_laid_side_by_side_are_the_single_process_stream(tmp_path, total):
+  cfg = {"sources": [{"kind": "jsonl", "path": _qa_file(tmp_path, total), "verifier": "x"}], "num_epochs": 1,
+         "seed": 4}
+  full = [e["id"] for e in build_dataset(cfg)]
+  shards = [[e["id"] for e in build_dataset(cfg, process_index=p, process_count=2, shard_block=4)] for p in range(2)]
+  assert sorted(sum(shards, [])) == sorted(full)
+  # Batch k of the 2-process run is [process 0's batch k, process 1's batch k] = batch k of 1 process.
+  for k in range(total // 8):
+    assert shards[0][4 * k:4 * k + 4] + shards[1][4 * k:4 * k + 4] == full[8 * k:8 * k + 8]
+  assert build_dataset(cfg, process_index=0, process_count=2, shard_block=4).fingerprint != \
+      build_dataset(cfg, process_index=0, process_count=2).fingerprint
+  with pytest.raises(ConfigError, match="shard_block"):
+    build_dataset(cfg, shard_block=0)

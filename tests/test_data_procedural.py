@@ -7,6 +7,7 @@ import operator
 import pytest
 
 from rljax.data import ArithmeticTask, CountdownTask, build_dataset, is_held_out
+from rljax.errors import ConfigError
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
@@ -83,3 +84,27 @@ def test_procedural_sources_in_build_dataset():
   assert not {ds[i]["prompt"] for i in range(20)} & {held[i]["prompt"] for i in range(20)}
   endless = build_dataset({"sources": [{"kind": "arithmetic"}]})
   assert not endless.is_finite and endless[10**9]["answer"]
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5])
+def test_held_out_fraction_sets_the_share_of_distinct_problems(share):
+  def distinct(split):
+    task = ArithmeticTask(seed=0, difficulty=1, split=split, num_examples=None, held_out_fraction=share)
+    return {task.read(i)["canonical"] for i in range(3000)}
+  train, test = distinct("train"), distinct("test")
+  assert not train & test and len(train | test) == 300      # every one-digit problem, in exactly one split
+  # Buckets are a hash, so the realised share wanders around the nominal one: 300 problems give a
+  # binomial standard deviation of at most 0.029; allow 3 of them.
+  assert abs(len(test) / 300 - share) < 0.09, len(test)
+  assert all(is_held_out(c, share) for c in test) and not any(is_held_out(c, share) for c in train)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 1.0, "half", True])
+def test_held_out_fraction_must_be_a_sixteenth_multiple(share):
+  with pytest.raises(ConfigError, match=r"held_out_fraction=.*multiple of 1/16"):
+    build_dataset({"sources": [{"kind": "arithmetic", "held_out_fraction": share}]})
+
+
+def test_held_out_fraction_is_only_for_procedural_sources(tmp_path):
+  with pytest.raises(ConfigError, match="held_out_fraction"):
+    build_dataset({"sources": [{"kind": "jsonl", "path": str(tmp_path / "x.jsonl"), "held_out_fraction": 0.5}]})

@@ -73,11 +73,14 @@ class PromptBatcher:
       default to the data config's values.
     drop_remainder: at the end of a finite dataset, drop a last batch with
       fewer than P prompts (default) or yield it.
+    distinct: skip (and count as "duplicates") an example whose rendered prompt
+      was already yielded; the data ends after _MAX_CONSECUTIVE_SKIPS duplicates
+      in a row. For held-out evaluation on small procedural problem spaces.
   """
 
   def __init__(self, dataset: PromptDataset, tokenizer: Any, prompts_per_batch: int, *,
                max_prompt_tokens: int | None = None, pad_multiple: int | None = None,
-               pad_to_max_prompt_tokens: bool | None = None, drop_remainder: bool = True):
+               pad_to_max_prompt_tokens: bool | None = None, drop_remainder: bool = True, distinct: bool = False):
     cfg = dataset.config
     if not isinstance(prompts_per_batch, int) or prompts_per_batch < 1:
       raise ConfigError(f"PromptBatcher(prompts_per_batch={prompts_per_batch!r}): expected an integer >= 1.")
@@ -92,6 +95,7 @@ class PromptBatcher:
     if self.pad_multiple < 1:
       raise ConfigError(f"PromptBatcher(pad_multiple={self.pad_multiple}): expected an integer >= 1.")
     self.drop_remainder = drop_remainder
+    self._seen: set[str] | None = set() if distinct else None
     self._chat_template = cfg["chat_template"]
     self._position = 0
     self._stats = {"rows_read": 0, "examples": 0, "batches": 0, "malformed": 0, "filtered_too_long": 0}
@@ -147,13 +151,13 @@ class PromptBatcher:
     return self
 
   def _count(self, key: str, source: str) -> None:
-    self._stats[key] += 1
+    self._stats[key] = self._stats.get(key, 0) + 1
     per_source = f"{key}/{source}"
     self._stats[per_source] = self._stats.get(per_source, 0) + 1
 
   def _next_example(self) -> Example | None:
     """The next usable example (tokenized), or None at the end of the data."""
-    skipped = 0
+    skipped = duplicates = 0
     while self._position < len(self.dataset):
       item = self.dataset[self._position]
       self._position += 1
@@ -164,12 +168,21 @@ class PromptBatcher:
           log.warning("skipping malformed row %s: %s", item.where, item.reason)
       else:
         text = render_prompt(item, self.tokenizer, self._chat_template)
+        if self._seen is not None and text in self._seen:
+          self._count("duplicates", item["source"])
+          duplicates += 1
+          if duplicates >= _MAX_CONSECUTIVE_SKIPS:
+            return None  # every distinct prompt has been seen (or nearly): the data ends here
+          continue
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if self.max_prompt_tokens is None or len(ids) <= self.max_prompt_tokens:
           item["prompt_text"] = text
           item["prompt_ids"] = ids
+          if self._seen is not None:
+            self._seen.add(text)
           return item
         self._count("filtered_too_long", item["source"])
+      duplicates = 0
       skipped += 1
       if skipped >= _MAX_CONSECUTIVE_SKIPS:
         raise DataError(

@@ -11,6 +11,7 @@ import string
 from typing import Any, Mapping
 
 from rljax.errors import ConfigError
+from rljax.data import procedural
 
 SOURCE_KINDS = ("jsonl", "parquet", "json", "tfds", "gsm8k", "math", "arithmetic", "countdown")
 PROCEDURAL_KINDS = ("arithmetic", "countdown")
@@ -49,6 +50,7 @@ SOURCE_DEFAULTS: dict[str, Any] = {
     "prompt_template": None,
     "num_examples": None,
     "difficulty": 1,
+    "held_out_fraction": 1 / 16,
     "seed": None,
 }
 
@@ -61,6 +63,7 @@ _KIND_ONLY = {
     "fields": FILE_KINDS + ("tfds",),
     "answer_format": FILE_KINDS + ("tfds",),
     "difficulty": PROCEDURAL_KINDS,
+    "held_out_fraction": PROCEDURAL_KINDS,
     "seed": PROCEDURAL_KINDS,
 }
 
@@ -223,6 +226,12 @@ def _normalize_source(src: Any, index: int, top: Mapping[str, Any]) -> dict[str,
     difficulty = out["difficulty"]
     if not _is_int(difficulty) or not 1 <= difficulty <= MAX_DIFFICULTY[kind]:
       raise ConfigError(f"{where}.difficulty={difficulty!r}: expected an integer from 1 to {MAX_DIFFICULTY[kind]} for '{kind}'.")
+    share = out["held_out_fraction"]
+    buckets = share * procedural.HELD_OUT_BUCKETS if isinstance(share, (int, float)) and not isinstance(share, bool) else None
+    if buckets is None or buckets != round(buckets) or not 1 <= buckets < procedural.HELD_OUT_BUCKETS:
+      raise ConfigError(f"{where}.held_out_fraction={share!r}: expected a multiple of 1/{procedural.HELD_OUT_BUCKETS} "
+                        f"from {1 / procedural.HELD_OUT_BUCKETS} to {1 - 1 / procedural.HELD_OUT_BUCKETS} "
+                        "(the share of distinct problems kept for the held-out split).")
     if out["seed"] is None:
       out["seed"] = top["seed"]
     _check_int(out["seed"], f"{where}.seed", minimum=0)

@@ -97,7 +97,7 @@ def open_source(src: dict[str, Any], top: dict[str, Any], index: int, split: str
   kind = src["kind"]
   if kind in PROCEDURAL_KINDS:
     reader = procedural.make_task(kind, seed=src["seed"], difficulty=src["difficulty"], split=split,
-                                  num_examples=src["num_examples"])
+                                  num_examples=src["num_examples"], held_out_fraction=src["held_out_fraction"])
   elif kind in FILE_KINDS:
     path = _split_value(src["path"], split, f"{where}.path")
     reader = open_files(path, _FILE_FORMATS.get(kind, _ANY_FORMAT), _columns(src["fields"]), where)
@@ -128,15 +128,16 @@ class PromptDataset:
       valid for a dataset with the same fingerprint.
   """
 
-  def __init__(self, mapds: grain.MapDataset, config: dict[str, Any], split: str,
-               process_index: int, process_count: int, sources: list[ExampleSource]):
+  def __init__(self, mapds, config: dict[str, Any], split: str,
+               process_index: int, process_count: int, sources: list[ExampleSource], shard_block: int = 1):
     self.mapds = mapds
     self.config = config
     self.split = split
     self.process_index = process_index
     self.process_count = process_count
     self.sources = sources
-    blob = json.dumps([config, split, process_index, process_count], sort_keys=True, default=str)
+    blob = json.dumps([config, split, process_index, process_count] + ([shard_block] if shard_block > 1 else []),
+                      sort_keys=True, default=str)
     self.fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
 
   def __len__(self) -> int:
@@ -159,7 +160,30 @@ class PromptDataset:
         yield item
 
 
-def build_dataset(cfg: Any, *, split: str = "train", process_index: int = 0, process_count: int = 1) -> PromptDataset:
+class _BlockShard:
+  """Process `index` of `count`'s share of a stream dealt out in blocks of `block` examples.
+
+  Global example g goes to process (g // block) % count. With block = the per-process batch
+  size, the processes' batches of one step, laid side by side, are the single-process batch.
+  """
+
+  def __init__(self, parent, index: int, count: int, block: int):
+    self.parent, self.index, self.count, self.block = parent, index, count, block
+
+  def __len__(self) -> int:
+    cycle = self.block * self.count
+    full, rest = divmod(len(self.parent), cycle)
+    return full * self.block + min(max(rest - self.index * self.block, 0), self.block)
+
+  def __getitem__(self, i: int):
+    if not 0 <= i < len(self):
+      raise IndexError(i)
+    cycle, within = divmod(i, self.block)
+    return self.parent[cycle * self.block * self.count + self.index * self.block + within]
+
+
+def build_dataset(cfg: Any, *, split: str = "train", process_index: int = 0, process_count: int = 1,
+                  shard_block: int = 1) -> PromptDataset:
   """Builds the example stream of process `process_index` of `process_count`.
 
   Args:
@@ -169,6 +193,9 @@ def build_dataset(cfg: Any, *, split: str = "train", process_index: int = 0, pro
       held-out stream for any split other than "train".
     process_index, process_count: this process's shard (`jax.process_index()`,
       `jax.process_count()`).
+    shard_block: the stream is dealt to processes in blocks of this many examples
+      (1: round robin). The trainer passes its per-process batch size, so that a
+      multi-process step sees the same global batch as a single-process one.
 
   Raises:
     ConfigError: an unknown or invalid config field.
@@ -197,9 +224,11 @@ def build_dataset(cfg: Any, *, split: str = "train", process_index: int = 0, pro
     mixed = parts[0]
   else:
     mixed = grain.MapDataset.mix(parts, [src["weight"] for src in config["sources"]])
+  if not isinstance(shard_block, int) or shard_block < 1:
+    raise ConfigError(f"build_dataset(shard_block={shard_block!r}): expected an integer >= 1.")
   if process_count > 1:
-    mixed = mixed.slice(slice(process_index, None, process_count))
+    mixed = _BlockShard(mixed, process_index, process_count, shard_block)
   if len(mixed) == 0:
     raise DataError(f"data: process {process_index} of {process_count} gets no examples for split '{split}'; "
                     "the sources are smaller than the number of processes.")
-  return PromptDataset(mixed, config, split, process_index, process_count, sources)
+  return PromptDataset(mixed, config, split, process_index, process_count, sources, shard_block)

@@ -5,10 +5,12 @@ draws come from a counter-based hash (BLAKE2b), so they do not depend on the
 NumPy version or on which examples were generated before.
 
 Held-out split. Every problem has a bucket, a hash of its canonical form
-(independent of the seed). Bucket 0 of `HELD_OUT_BUCKETS` belongs to the
-held-out split and all other buckets to train; each split rejects candidates
-from the other's buckets, so train and held-out problems never coincide, for
-any seeds. Any split name other than "train" reads the held-out stream.
+(independent of the seed), in 0..HELD_OUT_BUCKETS-1. The first
+`held_out_fraction * HELD_OUT_BUCKETS` buckets (by default bucket 0 only)
+belong to the held-out split and the rest to train; each split rejects
+candidates from the other's buckets, so train and held-out problems never
+coincide, for any seeds. Small problem spaces need a larger share: difficulty 1
+arithmetic has 300 distinct problems, so the default 1/16 holds out about 19. Any split name other than "train" reads the held-out stream.
 
 Difficulty:
   arithmetic  d -> operands drawn uniformly from [0, 10**d), ceil(d / 2)
@@ -58,8 +60,8 @@ def bucket_of(canonical: str) -> int:
   return int.from_bytes(digest, "little") % HELD_OUT_BUCKETS
 
 
-def is_held_out(canonical: str) -> bool:
-  return bucket_of(canonical) == 0
+def is_held_out(canonical: str, held_out_fraction: float = 1 / HELD_OUT_BUCKETS) -> bool:
+  return bucket_of(canonical) < round(held_out_fraction * HELD_OUT_BUCKETS)
 
 
 def _evaluate(operands: list[int], operators: list[str]) -> int:
@@ -82,8 +84,10 @@ class ProceduralTask(RowReader):
 
   kind = ""
 
-  def __init__(self, *, seed: int, difficulty: int, split: str, num_examples: int | None):
+  def __init__(self, *, seed: int, difficulty: int, split: str, num_examples: int | None,
+               held_out_fraction: float = 1 / HELD_OUT_BUCKETS):
     self.seed = seed
+    self.held_out_fraction = held_out_fraction
     self.difficulty = difficulty
     self.held_out = split != "train"
     self.num_examples = num_examples
@@ -101,7 +105,7 @@ class ProceduralTask(RowReader):
     rng = HashRng(self.kind, self.seed, self.difficulty, "held-out" if self.held_out else "train", index)
     for _ in range(_MAX_ATTEMPTS):
       row = self._candidate(rng)
-      if row is not None and is_held_out(row["canonical"]) == self.held_out:
+      if row is not None and is_held_out(row["canonical"], self.held_out_fraction) == self.held_out:
         return row
     raise RuntimeError(f"{self.where(index)}: no problem found in this split's buckets after {_MAX_ATTEMPTS} tries.")
 
@@ -171,5 +175,7 @@ class CountdownTask(ProceduralTask):
 TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
 
 
-def make_task(kind: str, *, seed: int, difficulty: int, split: str, num_examples: int | None) -> ProceduralTask:
-  return TASKS[kind](seed=seed, difficulty=difficulty, split=split, num_examples=num_examples)
+def make_task(kind: str, *, seed: int, difficulty: int, split: str, num_examples: int | None,
+              held_out_fraction: float = 1 / HELD_OUT_BUCKETS) -> ProceduralTask:
+  return TASKS[kind](seed=seed, difficulty=difficulty, split=split, num_examples=num_examples,
+                     held_out_fraction=held_out_fraction)
