@@ -280,6 +280,11 @@ def test_safe_evaluate_rejects_everything_but_arithmetic():
     ("The answer is four", "4", False),
     ("", "4", False),
     ("-12", "-12", True),
+    # Restating the question is not an answer, although the expression has the right value.
+    ("9 - 8 = 9 - 8", "1", False),
+    ("4 * 5 = 4 * 5", "20", False),
+    ("3 - 2 = 3 + 2", "1", False),
+    ("(9 - 8)", "1", False),
 ])
 def test_arithmetic(completion, gold, expected):
   assert arith.arithmetic_verifier(completion, {"answer": gold}).score == float(expected), completion

@@ -4,9 +4,10 @@ Expressions are parsed with `ast` and evaluated with Fractions; only numbers, + 
 unary +/- and parentheses are allowed (no names, calls, powers or eval), so neither a
 malicious nor a huge input can run code or blow up.
 
-  arithmetic  the final answer (a number or an expression, e.g. "4" or "7 - 3 = 4")
-              must equal example["answer"] (or example["target"]) exactly; if the
-              example lists "numbers", the expression must also use them as countdown does.
+  arithmetic  the final answer (a number, e.g. "4", "7 - 3 = 4" or "\boxed{8/2}") must
+              equal example["answer"] (or example["target"]) exactly; a final expression
+              ("9 - 8 = 9 - 8") scores 0. If the example lists "numbers", the completion is
+              checked as countdown does.
   countdown   the expression must use example["numbers"] (each exactly once, or at most
               once with use_all=False) and reach example["target"].
 """
@@ -183,14 +184,19 @@ def arithmetic_verifier(completion: str, example: Mapping[str, Any], *, answer_k
     return RewardResult(0.0, {"answer": None})
   parts = _parts(text)
   final = parts[-1] if parts else text
-  try:
-    value = evaluate(final)[0]
-  except ExpressionError:
-    number = last_number(final)
+  # The answer must be a number (a fraction such as 8/2 counts): an expression after the last
+  # "=" would let a policy score by restating the question ("9 - 8 = 9 - 8").
+  value = to_fraction(_clean(final))
+  if value is None:
+    try:
+      is_expression = len(evaluate(final)[1]) > 1
+    except ExpressionError:
+      is_expression = False
+    number = None if is_expression else last_number(final)
     if number is None:
-      return RewardResult(0.0, {"answer": final.strip()[:200]})
-    value = to_fraction(number)
-    final = number
+      why = "the final answer is an expression, not a number" if is_expression else "no number found"
+      return RewardResult(0.0, {"answer": final.strip()[:200], "error": why})
+    value, final = to_fraction(number), number
   if value is None:
     return RewardResult(0.0, {"answer": final.strip()[:200]})
   return RewardResult(float(value == goal), {"answer": _canonical(value)})
