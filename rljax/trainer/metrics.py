@@ -27,18 +27,27 @@ def to_floats(metrics: Mapping, prefix: str = "") -> dict[str, float]:
 
 
 class MetricsWriter:
-  """Appends each step's metrics to `metrics.jsonl` and (optionally) TensorBoard under `tb/`."""
+  """Appends each step's metrics to `metrics.jsonl` and (optionally) TensorBoard under `tb/`.
 
-  def __init__(self, directory: str, tensorboard: bool = True):
-    os.makedirs(directory, exist_ok=True)
+  Only the writing process (process 0 of a multi-process run) opens files; the others' writes
+  are no-ops, since every process computes the same global metrics.
+  """
+
+  def __init__(self, directory: str, tensorboard: bool = True, writing: bool = True):
     self.path = os.path.join(directory, "metrics.jsonl")
-    self._file = open(self.path, "a", encoding="utf-8")
+    self._file = None
     self._tb = None
+    if not writing:
+      return
+    os.makedirs(directory, exist_ok=True)
+    self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(os.path.join(directory, "tb"))
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    if self._file is None:
+      return
     clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
     self._file.write(json.dumps({"step": step, **clean}) + "\n")
     self._file.flush()
@@ -49,6 +58,7 @@ class MetricsWriter:
       self._tb.flush()
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._tb is not None:
       self._tb.close()

@@ -1,0 +1,54 @@
+"""FLOP counts against XLA's own count of the compiled forward, and the phase split of a step."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import flops
+from rljax.models.config import ModelConfig
+from rljax.models.policy import apply_model, init_params
+
+
+def tiny(**kw):
+  base = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=2, num_heads=4, num_kv_heads=2,
+              head_dim=64, max_position_embeddings=256, tie_word_embeddings=True)
+  return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("batch,length", [(2, 64), (4, 128)])
+def test_forward_flops_match_xla_cost_analysis(batch, length):
+  # One layer: XLA's cost analysis counts the body of the scan over layers once, whatever its length.
+  config = tiny(num_layers=1)
+  params = init_params(config, jax.random.key(0))
+  tokens = jnp.zeros((batch, length), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  compiled = jax.jit(lambda p, t, pos: apply_model(config, p, t, pos)).lower(params, tokens, positions).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  # The compiled forward scores every query against every key (the causal mask is applied, not
+  # skipped), so the attention context is the full length here. XLA also counts element-wise
+  # work (norms, softmax, RoPE, SiLU), which the model-FLOP convention leaves out: a few percent.
+  ours = flops.forward_flops(config, batch * length, context=length)
+  assert ours == pytest.approx(cost["flops"], rel=0.08)
+  assert ours < cost["flops"]
+
+
+def test_step_flops_split_by_phase():
+  config = tiny()
+  one = flops.rollout_step_flops(config, sample_prompts=4, update_prompts=4, group=8, prompt_len=32,
+                                 decode_steps=16, completion_len=16)
+  # The update is forward + backward = 3 forwards over [32 rows, 48 tokens].
+  assert one["update"] == pytest.approx(3 * flops.forward_flops(config, 32 * 48, 24))
+  # A reference model adds one forward; two epochs double the backward work.
+  ref = flops.rollout_step_flops(config, sample_prompts=4, update_prompts=4, group=8, prompt_len=32,
+                                 decode_steps=16, completion_len=16, epochs=2, extra_forwards=1)
+  assert ref["update"] == pytest.approx(one["update"] * 7 / 3)
+  # Dynamic sampling generates for more prompts than it trains on.
+  over = flops.rollout_step_flops(config, sample_prompts=8, update_prompts=4, group=8, prompt_len=32,
+                                  decode_steps=16, completion_len=16)
+  assert over["sample"] == pytest.approx(2 * one["sample"]) and over["update"] == one["update"]
+
+
+def test_cpu_peak_is_measured_and_positive():
+  peak, source = flops.device_peak_flops("float32")
+  assert np.isfinite(peak) and peak > 1e8 and "measured" in source
