@@ -116,3 +116,21 @@ def maybe_initialize_distributed(enabled: bool | None = None, **kwargs) -> bool:
     kwargs.setdefault("process_id", int(env.get("JAX_PROCESS_ID", "0")))
   jax.distributed.initialize(**kwargs)
   return True
+
+
+def allgather_objects(obj: Any) -> list[Any]:
+  """Every process's JSON-able `obj`, in process order (a host-side all-gather; [obj] on one process).
+
+  Used to give the reward callback, which runs where the gathered rollout lands, the examples of
+  every process's shard of the batch.
+  """
+  if jax.process_count() == 1:
+    return [obj]
+  import json
+  from jax.experimental import multihost_utils
+  blob = np.frombuffer(json.dumps(obj, default=str).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([blob.size], np.int64))).reshape(-1)
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:blob.size] = blob
+  gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+  return [json.loads(row[:size].tobytes().decode()) for row, size in zip(gathered, sizes)]

@@ -25,15 +25,16 @@ def _sample_fn(config, sp):
 
 def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examples: int, samples: int, sampling,
                     max_prompt_tokens: int, batch_prompts: int = 8, out_path: str | None = None,
-                    seed: int = 0) -> dict[str, Any]:
+                    seed: int = 0, distinct: bool = True) -> dict[str, Any]:
   """Scores `samples` completions for each of the first `num_examples` examples of `dataset`.
 
   Returns accuracy (mean score>0.5 of the first reward component over all samples) with its
   standard error over examples, mean@k, pass@k (unbiased estimator) and maj@k for k = samples,
-  plus pass@1. Writes one JSON line per example to `out_path`.
+  plus pass@1. Writes one JSON line per example to `out_path`. With `distinct`, repeated prompts
+  are skipped, so a small procedural problem space is not scored twice on the same problem.
   """
   batcher = PromptBatcher(dataset, tokenizer, prompts_per_batch=batch_prompts, max_prompt_tokens=max_prompt_tokens,
-                          pad_to_max_prompt_tokens=True, drop_remainder=False)
+                          pad_to_max_prompt_tokens=True, drop_remainder=False, distinct=distinct)
   run = _sample_fn(model_config, sampling)
   key = jax.random.key(seed)
   per_example: list[dict[str, Any]] = []
@@ -102,6 +103,9 @@ def eval_main(argv) -> int:
   parser.add_argument("--kind", default=None, help="source kind (jsonl, parquet, gsm8k, math, ...); "
                       "default: from the file extension or the task name")
   parser.add_argument("--split", default="test")
+  parser.add_argument("--difficulty", type=int, default=None, help="difficulty of a procedural task")
+  parser.add_argument("--held-out-fraction", type=float, default=None,
+                      help="share of a procedural task's problems held out (a multiple of 1/16)")
   parser.add_argument("--verifier", default=None, help="verifier name or module:function (default: the source's)")
   parser.add_argument("--samples", type=int, default=1)
   parser.add_argument("--num-examples", type=int, default=64)
@@ -131,6 +135,11 @@ def eval_main(argv) -> int:
       kind = {".jsonl": "jsonl", ".parquet": "parquet", ".json": "json"}.get(os.path.splitext(args.data)[1], "jsonl")
   if kind not in ("arithmetic", "countdown"):
     source["path"] = args.data
+  else:
+    if args.difficulty is not None:
+      source["difficulty"] = args.difficulty
+    if args.held_out_fraction is not None:
+      source["held_out_fraction"] = args.held_out_fraction
   source.update(kind=kind)
   if args.verifier:
     source["verifier"] = args.verifier

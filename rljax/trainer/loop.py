@@ -86,6 +86,7 @@ class Trainer:
     self.loss_cfg = config_lib.loss_config(config)
     t = config.train
     self.oversample = t.oversample if t.dynamic_sampling else 1
+    self._peak_flops: float | None = None
     self.sp = sampling_params(config, self.tokenizer)
     self.spec = StepSpec(
         model=self.policy.config, sampling=self.sp, loss=self.loss_cfg, prompts=t.prompts_per_step,
@@ -93,8 +94,9 @@ class Trainer:
         eos_ids=tuple(sorted(set(self.tokenizer.stop_ids))), oversample=self.oversample)
     self.total_updates = max(t.steps * t.mini_batches * t.epochs, 1)
     self.optimizer, self.schedule = make_optimizer(config.optim, self.total_updates)
-    with open(os.path.join(self.out_dir, "config.json"), "w") as f:
-      f.write(config_lib.to_json(config))
+    if jax.process_index() == 0:
+      with open(os.path.join(self.out_dir, "config.json"), "w") as f:
+        f.write(config_lib.to_json(config))
     self._setup_data()
     self._setup_rewards()
     self._setup_state()
@@ -109,9 +111,11 @@ class Trainer:
       raise ConfigError(f"config.train.prompts_per_step={c.train.prompts_per_step} must be divisible by the "
                         f"number of processes ({pc}).")
     data_cfg = c.data.to_dict()
-    self.train_data = build_dataset(data_cfg, split="train", process_index=pi, process_count=pc)
+    local_prompts = c.train.prompts_per_step * self.oversample // pc
+    self.train_data = build_dataset(data_cfg, split="train", process_index=pi, process_count=pc,
+                                    shard_block=local_prompts)
     self.batcher = PromptBatcher(self.train_data, self.tokenizer,
-                                 prompts_per_batch=c.train.prompts_per_step * self.oversample // pc,
+                                 prompts_per_batch=local_prompts,
                                  max_prompt_tokens=c.data.max_prompt_tokens)
     self._batches = iter(self.batcher)
     self.eval_data = None
@@ -173,7 +177,9 @@ class Trainer:
     step = int(self.state.step)
     t0 = time.perf_counter()
     batch, ids, mask = self._next_batch()
-    self.reward_fn.set_batch(batch.examples, step=step)
+    # The callback scores the whole gathered batch, so it needs every process's examples.
+    examples = [e for part in shd.allgather_objects(batch.examples) for e in part]
+    self.reward_fn.set_batch(examples, step=step)
     self.state, metrics = self.train_step(self.state, ids, mask)
     metrics = jax.device_get(metrics)
     t1 = time.perf_counter()
@@ -188,18 +194,38 @@ class Trainer:
       out["time/score"] = timing["end"] - timing["start"]
       out["time/update"] = max(t1 - timing["end"], 0.0)
     out["throughput/tokens_per_s"] = out["response/tokens"] / max(t1 - t0, 1e-9)
+    out.update(self._perf_metrics(out, prompt_len=ids.shape[1]))
     out["data/" + "filtered_too_long"] = float(self.batcher.stats().get("filtered_too_long", 0))
+    return out
+
+  def _perf_metrics(self, m: dict[str, float], prompt_len: int) -> dict[str, float]:
+    """Achieved FLOP/s per phase and as a fraction of the devices' peak (rljax/flops.py)."""
+    from rljax import flops
+    if self._peak_flops is None:
+      self._peak_flops, source = flops.device_peak_flops(self.config.model.dtype)
+      log.info("peak for perf/mfu: %.3g FLOP/s (%s)", self._peak_flops, source)
+    t, spec = self.config.train, self.spec
+    extra = int(self.loss_cfg.needs_reference) + int(spec.recompute_old_logprobs)
+    work = flops.rollout_step_flops(
+        spec.model, sample_prompts=t.prompts_per_step * self.oversample, update_prompts=t.prompts_per_step,
+        group=spec.group, prompt_len=prompt_len, decode_steps=int(m["response_length_max"]),
+        completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra)
+    out = {"perf/flops_per_s": (work["sample"] + work["update"]) / max(m["time/step"], 1e-9)}
+    out["perf/mfu"] = out["perf/flops_per_s"] / self._peak_flops
+    for phase in ("sample", "update"):
+      if m.get(f"time/{phase}", 0.0) > 0:
+        out[f"perf/{phase}_mfu"] = work[phase] / m[f"time/{phase}"] / self._peak_flops
     return out
 
   def run(self) -> dict[str, Any]:
     c = self.config
-    writer = MetricsWriter(self.out_dir, tensorboard=c.output.tensorboard)
+    writer = MetricsWriter(self.out_dir, tensorboard=c.output.tensorboard, writing=jax.process_index() == 0)
     summary: dict[str, Any] = {"output_dir": self.out_dir}
     try:
       if c.eval.before_and_after and self.eval_data is not None and self.start_step == 0:
         summary["eval_before"] = self.evaluate("before")
         writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
-      progress = _progress(c.train.steps, self.start_step, c.output.progress)
+      progress = _progress(c.train.steps, self.start_step, c.output.progress and jax.process_index() == 0)
       for step in range(self.start_step, c.train.steps):
         try:
           m = self.run_step()
@@ -210,7 +236,8 @@ class Trainer:
         writer.write(step + 1, m)
         progress.update(1)
         progress.set_postfix({"reward": f"{m.get('reward/mean', 0):.3f}", "loss": f"{m.get('loss', 0):.4f}",
-                              "len": f"{m.get('response_length_mean', 0):.0f}", "s": f"{m['time/step']:.1f}"})
+                              "len": f"{m.get('response_length_mean', 0):.0f}", "s": f"{m['time/step']:.1f}",
+                              "mfu": f"{m.get('perf/mfu', 0):.1%}"})
         if m.get("skipped_consecutive", 0) >= c.optim.max_consecutive_skips:
           raise TrainingStopped(
               f"{int(m['skipped_consecutive'])} consecutive updates had non-finite gradients "
