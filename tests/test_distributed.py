@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "rljax", "configs", "smoke.py")
-STEPS = 3
+STEPS = 2
 
 
 def _free_port() -> int:
