@@ -64,7 +64,8 @@ def _print_summary(summary) -> None:
                      ("hf_dir", "Hugging Face export")):
     if summary.get(key):
       print(f"{label:>22}: {summary[key]}")
-  print(f"{'TensorBoard':>22}: tensorboard --logdir {os.path.join(summary['output_dir'], 'tb')}")
+  if summary.get("tensorboard_dir"):
+    print(f"{'TensorBoard':>22}: tensorboard --logdir {summary['tensorboard_dir']}")
 
 
 def cmd_eval(argv: Sequence[str]) -> int:

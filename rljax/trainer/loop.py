@@ -265,6 +265,8 @@ class Trainer:
       self.ckpt.wait()
       self.pool.close()
     summary["metrics_file"] = writer.path
+    if c.output.tensorboard:
+      summary["tensorboard_dir"] = os.path.join(self.out_dir, "tb")
     return summary
 
   # ---- evaluation, checkpoints, export -------------------------------------------------------

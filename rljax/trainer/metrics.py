@@ -26,6 +26,11 @@ def to_floats(metrics: Mapping, prefix: str = "") -> dict[str, float]:
   return out
 
 
+def _tensorboard_tag(name: str) -> str:
+  """TensorBoard tags allow [A-Za-z0-9_./-]; `eval/pass@8` becomes `eval/pass_at_8`."""
+  return name.replace("@", "_at_")
+
+
 class MetricsWriter:
   """Appends each step's metrics to `metrics.jsonl` and (optionally) TensorBoard under `tb/`.
 
@@ -54,7 +59,7 @@ class MetricsWriter:
     if self._tb is not None:
       for k, v in metrics.items():
         if math.isfinite(v):
-          self._tb.add_scalar(k, v, step)
+          self._tb.add_scalar(_tensorboard_tag(k), v, step)
       self._tb.flush()
 
   def close(self) -> None:
