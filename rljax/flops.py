@@ -49,24 +49,29 @@ def rollout_step_flops(config, *, sample_prompts: int, update_prompts: int, grou
   return {"sample": prefill + decode, "update": (3 * epochs + extra_forwards) * update_forward}
 
 
-def _timed_median(fn, iters: int) -> float:
+def timed(fn, iters: int, reduce=statistics.median) -> float:
+  """Seconds of `fn()` (which must block until done): `reduce` over `iters` runs after a warm-up."""
   fn()
   times = []
   for _ in range(iters):
     start = time.perf_counter()
     fn()
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return reduce(times)
 
 
-def matmul_peak(size: int = 1024, dtype=jnp.float32, iters: int = 5, device=None) -> float:
-  """Measured FLOP/s of a jitted [size, size] @ [size, size] matmul on one device."""
+def matmul_peak(size: int = 1024, dtype=jnp.float32, iters: int = 5, device=None,
+                reduce=statistics.median) -> float:
+  """Measured FLOP/s of a jitted [size, size] @ [size, size] matmul on one device.
+
+  `reduce` picks the time from `iters` runs: the median (default) or `min` for the best rate.
+  """
   device = device or jax.local_devices()[0]
   k1, k2 = jax.random.split(jax.random.key(0))
   a = jax.device_put(jax.random.normal(k1, (size, size), dtype), device)
   b = jax.device_put(jax.random.normal(k2, (size, size), dtype), device)
   f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=dtype))
-  return 2 * size**3 / _timed_median(lambda: f(a, b).block_until_ready(), iters)
+  return 2 * size**3 / timed(lambda: f(a, b).block_until_ready(), iters, reduce)
 
 
 @functools.cache

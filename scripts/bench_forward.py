@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -23,36 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-
-def timed(fn, iters: int) -> float:
-  """Median seconds of `fn()` (which must block until done) over `iters` runs, after one warm-up."""
-  fn()
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def matmul_peak(size: int, dtype, iters: int) -> float:
-  """Measured FLOP/s of a jitted [size, size] @ [size, size] matmul."""
-  k1, k2 = jax.random.split(jax.random.key(0))
-  a = jax.random.normal(k1, (size, size), dtype)
-  b = jax.random.normal(k2, (size, size), dtype)
-  f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=dtype))
-  f(a, b).block_until_ready()
-  return 2 * size**3 / timed(lambda: f(a, b).block_until_ready(), iters)
-
-
-def forward_flops(config, batch: int, length: int) -> tuple[float, float]:
-  """(matmul FLOPs, attention FLOPs) of one forward over batch x length tokens."""
-  c = config
-  per_layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
-  matmul_params = c.num_layers * per_layer + c.vocab_size * c.hidden_size  # + the output projection
-  tokens = batch * length
-  attention = 4 * batch * length * length * c.num_heads * c.head_dim * c.num_layers
-  return 2.0 * matmul_params * tokens, float(attention)
+from rljax.flops import forward_flops, matmul_peak, timed  # noqa: E402
 
 
 def main(argv=None):
@@ -80,8 +50,9 @@ def main(argv=None):
   compile_s = time.perf_counter() - start
   seconds = timed(lambda: policy(ids, mask).block_until_ready(), args.iters)
 
-  mm, attn = forward_flops(c, args.batch, args.length)
   tokens = args.batch * args.length
+  mm = forward_flops(c, tokens, context=0)
+  attn = forward_flops(c, tokens, context=args.length) - mm  # the full T x T score matrix is computed
   achieved = (mm + attn) / seconds
   dev = jax.devices()[0]
   rows = [

@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rljax  # noqa: E402
+from rljax.flops import matmul_peak as measured_matmul_peak  # noqa: E402
 from rljax.sampling import SamplingParams, generate  # noqa: E402
 
 QUESTIONS = [
@@ -46,20 +47,6 @@ QUESTIONS = [
     "Write one sentence about autumn.",
     "What is 100 minus 37?",
 ]
-
-
-def matmul_peak(n: int = 2048, repeats: int = 6) -> float:
-  """Best observed fp32 FLOP/s of an n x n x n jitted matmul."""
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-  f = jax.jit(jnp.matmul)
-  f(a, b).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    best = min(best, time.perf_counter() - t)
-  return 2 * n**3 / best
 
 
 def build_prompts(policy, num_prompts: int) -> list[list[int]]:
@@ -150,7 +137,7 @@ def main(argv=None):
   kv_bytes = 2 * cfg.num_layers * rows * slots * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
   print(f"KV cache: 2 * L * P * G * (Lp + T) * K * Dh * bytes = {kv_bytes / 2**20:.0f} MiB")
 
-  peak = matmul_peak()
+  peak = measured_matmul_peak(2048, iters=6, reduce=min)
   print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
 
   t, _, _ = run_rljax(policy, ids, mask, sp, 0)
@@ -175,7 +162,7 @@ def main(argv=None):
       ratios.append(rl[-1] / hf[-1])
       line += f"; transformers {hn} tokens in {t:.1f} s = {hn / t:.1f} tokens/s; ratio {ratios[-1]:.2f}x"
     print(line, flush=True)
-  peak = max(peak, matmul_peak())
+  peak = max(peak, measured_matmul_peak(2048, iters=6, reduce=min))
   roofline = peak / (2 * cfg.num_params)
   text = policy.tokenizer.decode(np.asarray(out.tokens[0])) if policy.tokenizer is not None else ""
   print(f"rljax sample completion: {text[:120]!r}")
