@@ -45,6 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
       num_samples=8,                  # G: completions per prompt
       max_new_tokens=128,
       temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+      ignore_eos=False,               # generate max_new_tokens in every row (benchmarks; vLLM's ignore_eos)
   ))
   # A preset plus every LossConfig field; None keeps the preset's value (docs/loss.md).
   from rljax.rl.config import LossConfig

@@ -178,3 +178,17 @@ def test_recipe_one_step_dry_run_on_a_tiny_model(tmp_path, name):
   summary = Trainer(cfg).run()
   metrics = read_metrics(summary["metrics_file"])
   assert len(metrics) == 1 and np.isfinite(metrics[0]["loss"])
+
+
+def test_ignore_eos_fills_every_completion(tmp_path):
+  """sampling.ignore_eos: rollouts run to max_new_tokens; evaluation still stops at EOS."""
+  cfg = smoke(tmp_path, "sampling.ignore_eos=True")
+  trainer = Trainer(cfg)
+  m = trainer.run_step()
+  trainer.pool.close()
+  rows = cfg.train.prompts_per_step * cfg.sampling.num_samples
+  assert trainer.spec.eos_ids == ()
+  assert m["response/tokens"] == rows * cfg.sampling.max_new_tokens
+  assert m["truncation_rate"] == 1.0
+  from rljax.trainer.loop import sampling_params
+  assert sampling_params(cfg, trainer.tokenizer, greedy=True).stop_token_ids  # what evaluate() uses

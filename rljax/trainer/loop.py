@@ -60,14 +60,16 @@ def load_policy(model_cfg, tokenizer_path: str = "") -> Policy:
   return policy
 
 
-def sampling_params(cfg, tokenizer, *, greedy=False, max_new_tokens=None, num_samples=None, temperature=None):
+def sampling_params(cfg, tokenizer, *, greedy=False, max_new_tokens=None, num_samples=None, temperature=None,
+                    stops=True):
+  """SamplingParams from config.sampling; `stops=False` drops the stop tokens (sampling.ignore_eos)."""
   from rljax.sampling import SamplingParams
   s = cfg.sampling
   temp = s.temperature if temperature is None else temperature
   return SamplingParams(
       num_samples=num_samples or s.num_samples, max_new_tokens=max_new_tokens or s.max_new_tokens,
       temperature=temp if temp > 0 else 1.0, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-      greedy=greedy or temp == 0, stop_token_ids=tuple(sorted(set(tokenizer.stop_ids))))
+      greedy=greedy or temp == 0, stop_token_ids=tuple(sorted(set(tokenizer.stop_ids))) if stops else ())
 
 
 class Trainer:
@@ -87,11 +89,12 @@ class Trainer:
     t = config.train
     self.oversample = t.oversample if t.dynamic_sampling else 1
     self._peak_flops: float | None = None
-    self.sp = sampling_params(config, self.tokenizer)
+    # Rollouts honour sampling.ignore_eos; evaluation always stops at the tokenizer's stop tokens.
+    self.sp = sampling_params(config, self.tokenizer, stops=not config.sampling.ignore_eos)
     self.spec = StepSpec(
         model=self.policy.config, sampling=self.sp, loss=self.loss_cfg, prompts=t.prompts_per_step,
         mini_batches=t.mini_batches, epochs=t.epochs, micro_batches=t.micro_batches,
-        eos_ids=tuple(sorted(set(self.tokenizer.stop_ids))), oversample=self.oversample)
+        eos_ids=self.sp.stop_token_ids, oversample=self.oversample)
     self.total_updates = max(t.steps * t.mini_batches * t.epochs, 1)
     self.optimizer, self.schedule = make_optimizer(config.optim, self.total_updates)
     if jax.process_index() == 0:
