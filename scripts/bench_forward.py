@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchlib import Result, add_json_arg, report  # noqa: E402
 from rljax.flops import forward_flops, matmul_peak, timed  # noqa: E402
 
 
@@ -33,6 +34,7 @@ def main(argv=None):
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--peak-size", type=int, default=2048)
+  add_json_arg(p)
   args = p.parse_args(argv)
 
   from rljax.models.io import load_pretrained
@@ -72,7 +74,10 @@ def main(argv=None):
   for k, v in rows:
     print(f"{k:<{width}}  {v}")
   print("-" * (width + 50))
-  return rows
+  work = f"forward, batch {args.batch} x {args.length}, {args.dtype}"
+  return report([Result(f"{work}: tokens/s", f"{tokens / seconds:,.0f}"),
+                 Result(f"{work}: fraction of measured matmul peak ({peak / 1e9:.0f} GFLOP/s)", f"{achieved / peak:.0%}")],
+                args.json)
 
 
 if __name__ == "__main__":

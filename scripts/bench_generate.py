@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rljax  # noqa: E402
+from benchlib import Result, add_json_arg, report  # noqa: E402
 from rljax.flops import matmul_peak as measured_matmul_peak  # noqa: E402
 from rljax.sampling import SamplingParams, generate  # noqa: E402
 
@@ -119,6 +120,7 @@ def main(argv=None):
   ap.add_argument("--top-p", type=float, default=1.0)
   ap.add_argument("--repeats", type=int, default=2, help="timed runs per side, alternating (best and median reported)")
   ap.add_argument("--skip-hf", action="store_true")
+  add_json_arg(ap)
   args = ap.parse_args(argv)
 
   policy = rljax.load_pretrained(args.model)
@@ -173,6 +175,12 @@ def main(argv=None):
           "(median of paired runs)")
   print(f"roofline: {peak / 1e9:.1f} GFLOP/s (best measured) / (2 x {cfg.num_params / 1e6:.1f}M) = {roofline:.0f} "
         f"tokens/s; rljax at {max(rl) / roofline:.0%} of it")
+  work = f"sampler, {args.prompts} prompts x G={args.samples} x {args.new_tokens} tokens"
+  results = [Result(f"{work}: tokens/s (best of {args.repeats})", f"{max(rl):.0f}",
+                    f"transformers generate {max(hf):.0f}" if hf else "-",
+                    f"{max(rl) / max(hf):.2f}x faster" if hf else "-"),
+             Result(f"{work}: fraction of the compute roofline ({roofline:.0f} tokens/s)", f"{max(rl) / roofline:.0%}")]
+  return report(results, args.json)
 
 
 if __name__ == "__main__":

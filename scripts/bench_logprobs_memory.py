@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchlib import Result, add_json_arg, report  # noqa: E402
 from rljax.rl import chunked_logprobs, naive_logprobs  # noqa: E402
 
 GIB = 1024**3
@@ -54,7 +55,7 @@ def measure(batch: int, length: int, dim: int, vocab: int, dtype: str, chunk_siz
   return out
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--length", type=int, default=1024)
@@ -62,7 +63,8 @@ def main():
   parser.add_argument("--vocab", type=int, default=150_000)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--chunk-size", type=int, default=4096)
-  args = parser.parse_args()
+  add_json_arg(parser)
+  args = parser.parse_args(argv)
 
   n = args.batch * args.length
   print(f"backend={jax.default_backend()} B={args.batch} T={args.length} D={args.dim} "
@@ -74,11 +76,16 @@ def main():
   for name, mem in stats.items():
     print(f"{name:<20} {mem.temp_size_in_bytes / GIB:9.3f} {mem.argument_size_in_bytes / GIB:9.3f} "
           f"{mem.output_size_in_bytes / GIB:9.3f}")
+  results = []
   for kind in ("forward", "value+grad"):
     naive = stats[f"naive {kind}"].temp_size_in_bytes
     chunked = stats[f"chunked {kind}"].temp_size_in_bytes
     print(f"{kind}: temp memory saved {(naive - chunked) / GIB:.2f} GiB "
           f"({naive / max(chunked, 1):.1f}x less)")
+    results.append(Result(f"log-prob {kind}, B={args.batch} T={args.length} V={args.vocab}: temporaries",
+                          f"{chunked / GIB:.3f} GiB (chunked)", f"{naive / GIB:.1f} GiB (naive [B, T, V])",
+                          f"{naive / max(chunked, 1):.0f}x less"))
+  return report(results, args.json)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchlib import Result, add_json_arg, report  # noqa: E402
 from rljax.rewards import RewardPool, RewardSpec  # noqa: E402
 
 
@@ -69,6 +70,7 @@ def main(argv=None) -> int:
   parser.add_argument("--code", type=int, default=200, help="code items (3 tests each)")
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--overhead-items", type=int, default=2000)
+  add_json_arg(parser)
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
   print(f"machine: {os.cpu_count()} CPUs; workers: {args.workers}")
@@ -77,16 +79,20 @@ def main(argv=None) -> int:
   with RewardPool(spec("math", args.workers)) as pool:
     pool.score(*math_items(4))  # first-call costs (sympy caches in fresh workers) outside the timing
     t, m = timed(pool, comps, exs)
+  math_rate = args.math / t
   print(f"math  {args.math:5d} items, {args.workers} workers: {t:7.2f} s  {args.math / t:8.1f} rewards/s "
         f"(accuracy {m['reward/accuracy']:.2f}, failures {m['verifier/failures']:.0f})")
   with RewardPool(spec("math", 0)) as pool:
     pool.score(*math_items(4))  # import math-verify outside the timing
     t_inline, _ = timed(pool, comps, exs)
+  results = [Result(f"reward pool, {args.math} `math` items, {args.workers} workers: rewards/s", f"{math_rate:.0f}",
+                    f"inline calls {args.math / t_inline:.0f}", f"{math_rate * t_inline / args.math:.2f}x")]
   print(f"math  {args.math:5d} items, inline   : {t_inline:7.2f} s  {args.math / t_inline:8.1f} rewards/s")
 
   comps, exs = code_items(args.code)
   with RewardPool(spec("code", args.workers)) as pool:
     t, m = timed(pool, comps, exs)
+  results.append(Result(f"reward pool, {args.code} `code` items (3 sandboxed tests each): rewards/s", f"{args.code / t:.1f}"))
   print(f"code  {args.code:5d} items, {args.workers} workers: {t:7.2f} s  {args.code / t:8.1f} rewards/s "
         f"(3 sandboxed runs per item; accuracy {m['reward/accuracy']:.2f}, failures {m['verifier/failures']:.0f})")
 
@@ -105,6 +111,9 @@ def main(argv=None) -> int:
     print(f"overhead {name:10s} ({n} items): inline {us(times[0]):6.1f} us/item; pool with 1 worker "
           f"{us(times[1]):6.1f} us/item (+{us(times[1]) - us(times[0]):.1f}); with {args.workers} workers "
           f"{us(times[args.workers]):6.1f} us/item")
+    results.append(Result(f"reward pool overhead per item, `{name}` verifier, 1 worker",
+                          f"+{us(times[1]) - us(times[0]):.0f} us over inline"))
+  report(results, args.json)
   return 0
 
 

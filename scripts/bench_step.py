@@ -11,7 +11,9 @@ reference model), AdamW, one optimizer step per rollout batch, float32, this mac
 Both sides train on the same prompts in the same order: the rljax run records the prompts it
 drew and the TRL run replays them.
 
-Each side runs in its own subprocess so its peak memory (max RSS) is its own. TRL runs with
+Memory strategy, each side's own: rljax accumulates gradients over 4 micro-batches of 2 prompt
+groups (the whole batch at once needs ~25 GB of activations); TRL keeps its default gradient
+checkpointing. Each side runs in its own subprocess so its peak memory (max RSS) is its own. TRL runs with
 torch's default threads (one per core) and without vLLM (which has no CPU path here).
 
 Tunix (`google-tunix`) is not benchmarked: see the Performance section of the README for why.
@@ -32,9 +34,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchlib import Result, add_json_arg, report  # noqa: E402
 
 PROMPTS, GROUP, NEW_TOKENS = 8, 8, 128
-SUFFIX = "\nAnswer with just the number."
 
 
 def peak_rss_gib() -> float:
@@ -56,7 +60,7 @@ def run_rljax(hf_dir: str, steps: int, work_dir: str) -> dict:
       f"model.path={hf_dir!r}", f"output.dir={os.path.join(work_dir, 'rljax')!r}",
       f"train.prompts_per_step={PROMPTS}", f"sampling.num_samples={GROUP}",
       f"sampling.max_new_tokens={NEW_TOKENS}", "sampling.ignore_eos=True", "sampling.temperature=1.0",
-      f"train.steps={steps}", "eval.before_and_after=False", "output.export_hf=False",
+      f"train.steps={steps}", "train.micro_batches=4", "eval.before_and_after=False", "output.export_hf=False",
       "output.progress=False", "output.tensorboard=False", "checkpoint.every=0", "checkpoint.resume=False",
   ])
   trainer = Trainer(cfg)
@@ -65,7 +69,7 @@ def run_rljax(hf_dir: str, steps: int, work_dir: str) -> dict:
 
   def recording_set_batch(examples, step):  # the benchmark replays these prompts in TRL
     per_prompt = examples if len(examples) == PROMPTS else examples[::GROUP]
-    prompts.extend({"question": e["question"], "answer": e["answer"]} for e in per_prompt)
+    prompts.extend({"messages": list(e["prompt_messages"]), "answer": e["answer"]} for e in per_prompt)
     return set_batch(examples, step=step)
 
   trainer.reward_fn.set_batch = recording_set_batch
@@ -73,7 +77,8 @@ def run_rljax(hf_dir: str, steps: int, work_dir: str) -> dict:
   for _ in range(steps):
     m = trainer.run_step()
     steps_out.append({"seconds": m["time/step"], "tokens": m["response/tokens"], "sample": m["time/sample"],
-                      "score": m["time/score"], "update": m["time/update"], "reward": m["reward/mean"]})
+                      "score": m["time/score"], "update": m["time/update"], "reward": m["reward/mean"],
+                      "update_mfu": m.get("perf/update_mfu", 0.0), "sample_mfu": m.get("perf/sample_mfu", 0.0)})
   trainer.pool.close()
   return {"steps": steps_out, "prompts": prompts, "peak_rss_gib": peak_rss_gib()}
 
@@ -89,8 +94,7 @@ def run_trl(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> dict
   def correct(completions, answer, **_):
     return [arithmetic_verifier(c[0]["content"], {"answer": a}).score for c, a in zip(completions, answer)]
 
-  rows = [{"prompt": [{"role": "user", "content": p["question"] + SUFFIX}], "answer": p["answer"]}
-          for p in prompts]
+  rows = [{"prompt": p["messages"], "answer": p["answer"]} for p in prompts]
   times: list[float] = []
   tokens: list[float] = []
 
@@ -136,7 +140,7 @@ def summarise(name: str, result: dict, warmup: int) -> dict:
   seconds = statistics.median(s["seconds"] for s in measured)
   tokens = statistics.median(s["tokens"] for s in measured)
   row = {"side": name, "s_per_step": seconds, "tokens_per_s": tokens / seconds, "peak_rss_gib": result["peak_rss_gib"]}
-  for phase in ("sample", "score", "update"):
+  for phase in ("sample", "score", "update", "update_mfu", "sample_mfu"):
     if phase in measured[0]:
       row[phase] = statistics.median(s[phase] for s in measured)
   return row
@@ -147,6 +151,7 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=3, help="measured steps per side (median reported)")
   p.add_argument("--warmup", type=int, default=1, help="steps excluded from the figures (compilation, caches)")
   p.add_argument("--skip-trl", action="store_true")
+  add_json_arg(p)
   p.add_argument("--side", choices=["rljax", "trl"], help=argparse.SUPPRESS)
   p.add_argument("--hf-dir", help=argparse.SUPPRESS)
   p.add_argument("--work-dir", help=argparse.SUPPRESS)
@@ -170,19 +175,23 @@ def main(argv=None):
       trl_result = _child("trl", hf_dir, total, work)
       rows.append(summarise("TRL GRPOTrainer", trl_result, args.warmup))
       print(f"peer: {trl_result['versions']}")
-  print(f"work: {PROMPTS} prompts x G={GROUP} x {NEW_TOKENS} new tokens per step, SmolLM2-135M float32, "
-        f"{os.cpu_count()} CPU cores; median of {args.steps} steps after {args.warmup} warm-up")
-  print("| side | s / step | sample | score | update | generated tokens/s | peak RSS (GiB) |")
-  print("| --- | --- | --- | --- | --- | --- | --- |")
-  fmt = lambda r, k: f"{r[k]:.2f}" if k in r else "-"
-  for r in rows:
-    print(f"| {r['side']} | {r['s_per_step']:.1f} | {fmt(r, 'sample')} | {fmt(r, 'score')} | {fmt(r, 'update')} "
-          f"| {r['tokens_per_s']:.0f} | {r['peak_rss_gib']:.2f} |")
-  if len(rows) == 2:
-    a, b = rows
-    print(f"ratio rljax / TRL: {b['s_per_step'] / a['s_per_step']:.2f}x faster per step, "
-          f"{a['peak_rss_gib'] / b['peak_rss_gib']:.2f}x the peak memory")
-  return rows
+  print(f"work: {PROMPTS} prompts x G={GROUP} x {NEW_TOKENS} new tokens per step, SmolLM2-135M float32; "
+        f"median of {args.steps} steps after {args.warmup} warm-up")
+  r = rows[0]
+  peer = rows[1] if len(rows) == 2 else None
+  work = f"GRPO step, {PROMPTS} prompts x G={GROUP} x {NEW_TOKENS} tokens"
+  results = [
+      Result(f"{work}: seconds per step", f"{r['s_per_step']:.1f} s (sample {r['sample']:.1f}, score "
+             f"{r['score']:.2f}, update {r['update']:.1f})", f"TRL {peer['s_per_step']:.1f} s" if peer else "-",
+             f"{peer['s_per_step'] / r['s_per_step']:.2f}x faster" if peer else "-"),
+      Result(f"{work}: generated tokens/s over the step", f"{r['tokens_per_s']:.0f}",
+             f"TRL {peer['tokens_per_s']:.0f}" if peer else "-",
+             f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"),
+      Result(f"{work}: peak RSS", f"{r['peak_rss_gib']:.1f} GiB", f"TRL {peer['peak_rss_gib']:.1f} GiB" if peer else "-",
+             f"{r['peak_rss_gib'] / peer['peak_rss_gib']:.2f}x the memory" if peer else "-"),
+      Result(f"{work}: update phase, fraction of measured matmul peak", f"{r['update_mfu']:.0%}"),
+  ]
+  return report(results, args.json)
 
 
 if __name__ == "__main__":
