@@ -16,9 +16,13 @@ groups (the whole batch at once needs ~25 GB of activations); TRL keeps its defa
 checkpointing. Each side runs in its own subprocess so its peak memory (max RSS) is its own. TRL runs with
 torch's default threads (one per core) and without vLLM (which has no CPU path here).
 
-Tunix (`google-tunix`) is not benchmarked: see the Performance section of the README for why.
+Tunix (`google-tunix`, its GRPOLearner on its Llama 3 model code with the `vanilla` rollout
+engine) runs with `--tunix-python`, a Python from a venv where google-tunix is installed (it pins
+other transformers and flax versions than rljax's). Its step time is the interval between
+consecutive reward calls (it has no step callback), so one extra step is run.
+
 Prints seconds per step (median of the measured steps, warm-up excluded), generated tokens/s,
-peak RSS, and the ratios rljax / TRL.
+peak RSS, and the ratios rljax / peer.
 """
 from __future__ import annotations
 
@@ -126,9 +130,63 @@ def run_trl(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> dict
                       f"({torch.get_num_threads()} threads)"}
 
 
-def _child(side: str, hf_dir: str, steps: int, work_dir: str) -> dict:
+def run_tunix(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> dict:
+  """Tunix's GRPO learner on its Llama 3 model code (SmolLM2 is a Llama), vanilla rollout engine."""
+  import jax
+  import optax
+  import transformers
+  from tunix.models.llama3 import model as llama
+  from tunix.models.llama3 import params as llama_params
+  from tunix.rl import rl_cluster as rlc
+  from tunix.rl.grpo import grpo_learner
+  from tunix.rl.rollout import base_rollout
+
+  from rljax.rewards.verifiers.arith import arithmetic_verifier
+
+  hf = json.load(open(os.path.join(hf_dir, "config.json")))
+  cfg = llama.ModelConfig(
+      num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
+      hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"],
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf["rope_theta"]),
+      norm_eps=hf["rms_norm_eps"], weight_tying=hf.get("tie_word_embeddings", False))
+  auto = jax.sharding.AxisType.Auto  # Tunix's models expect auto-sharded meshes (make_mesh defaults to Explicit)
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(auto, auto))
+  with mesh:  # Tunix's own examples load under the (deprecated) mesh context; jax.set_mesh breaks its gathers
+    model = llama_params.create_model_from_safe_tensors(hf_dir, cfg, mesh)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  stamps: list[float] = []
+
+  def correct(prompts, completions, answer, **_):
+    stamps.append(time.perf_counter())  # once per step, after its rollout: the intervals are step times
+    return [arithmetic_verifier(c, {"answer": a}).score for c, a in zip(completions, answer)]
+
+  cluster = rlc.RLCluster(
+      actor=model, tokenizer=tokenizer,
+      cluster_config=rlc.ClusterConfig(
+          role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
+          rollout_engine="vanilla", offload_to_cpu=False,
+          training_config=rlc.RLTrainingConfig(
+              actor_optimizer=optax.adamw(1e-5), eval_every_n_steps=10**6, max_steps=steps + 1,
+              mini_batch_size=PROMPTS, train_micro_batch_size=2, rollout_micro_batch_size=PROMPTS, compute_logps_micro_batch_size=2),
+          rollout_config=base_rollout.RolloutConfig(
+              max_tokens_to_generate=NEW_TOKENS, max_prompt_length=64, kv_cache_size=64 + NEW_TOKENS + 8,
+              temperature=1.0, top_p=1.0, top_k=None, eos_tokens=[-1])))  # -1: no stop token, as on the other sides
+  learner = grpo_learner.GRPOLearner(
+      rl_cluster=cluster, reward_fns=correct,
+      algo_config=grpo_learner.GRPOConfig(num_generations=GROUP, num_iterations=1, beta=0.0, epsilon=0.2))
+  texts = [tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True) for p in prompts]
+  batches = [{"prompts": texts[i:i + PROMPTS], "answer": [p["answer"] for p in prompts[i:i + PROMPTS]]}
+             for i in range(0, len(texts), PROMPTS)]
+  batches.append(batches[-1])  # one more step than measured: its rollout closes the last interval
+  learner.train(batches)
+  intervals = [b - a for a, b in zip(stamps, stamps[1:])]
+  return {"steps": [{"seconds": s, "tokens": PROMPTS * GROUP * NEW_TOKENS} for s in intervals],
+          "peak_rss_gib": peak_rss_gib(), "versions": f"google-tunix, jax {jax.__version__}"}
+
+
+def _child(side: str, hf_dir: str, steps: int, work_dir: str, python: str = sys.executable) -> dict:
   out = os.path.join(work_dir, f"{side}.json")
-  cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--hf-dir", hf_dir, "--steps", str(steps),
+  cmd = [python, os.path.abspath(__file__), "--side", side, "--hf-dir", hf_dir, "--steps", str(steps),
          "--work-dir", work_dir]
   subprocess.run(cmd, check=True)
   with open(out) as f:
@@ -152,7 +210,9 @@ def main(argv=None):
   p.add_argument("--warmup", type=int, default=1, help="steps excluded from the figures (compilation, caches)")
   p.add_argument("--skip-trl", action="store_true")
   add_json_arg(p)
-  p.add_argument("--side", choices=["rljax", "trl"], help=argparse.SUPPRESS)
+  p.add_argument("--tunix-python", default="",
+                 help="a Python with google-tunix installed (its own venv: it pins other transformers/flax)")
+  p.add_argument("--side", choices=["rljax", "trl", "tunix"], help=argparse.SUPPRESS)
   p.add_argument("--hf-dir", help=argparse.SUPPRESS)
   p.add_argument("--work-dir", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -162,7 +222,9 @@ def main(argv=None):
       result = run_rljax(args.hf_dir, args.steps, args.work_dir)
     else:
       with open(os.path.join(args.work_dir, "rljax.json")) as f:
-        result = run_trl(args.hf_dir, args.steps, args.work_dir, json.load(f)["prompts"])
+        prompts = json.load(f)["prompts"]
+      run = run_trl if args.side == "trl" else run_tunix
+      result = run(args.hf_dir, args.steps, args.work_dir, prompts)
     with open(os.path.join(args.work_dir, f"{args.side}.json"), "w") as f:
       json.dump(result, f)
     return None
@@ -175,22 +237,21 @@ def main(argv=None):
       trl_result = _child("trl", hf_dir, total, work)
       rows.append(summarise("TRL GRPOTrainer", trl_result, args.warmup))
       print(f"peer: {trl_result['versions']}")
+    if args.tunix_python:
+      tunix_result = _child("tunix", hf_dir, total, work, python=args.tunix_python)
+      rows.append(summarise("Tunix GRPOLearner", tunix_result, args.warmup))
   print(f"work: {PROMPTS} prompts x G={GROUP} x {NEW_TOKENS} new tokens per step, SmolLM2-135M float32; "
         f"median of {args.steps} steps after {args.warmup} warm-up")
-  r = rows[0]
-  peer = rows[1] if len(rows) == 2 else None
+  r, peers = rows[0], rows[1:]
   work = f"GRPO step, {PROMPTS} prompts x G={GROUP} x {NEW_TOKENS} tokens"
-  results = [
-      Result(f"{work}: seconds per step", f"{r['s_per_step']:.1f} s (sample {r['sample']:.1f}, score "
-             f"{r['score']:.2f}, update {r['update']:.1f})", f"TRL {peer['s_per_step']:.1f} s" if peer else "-",
-             f"{peer['s_per_step'] / r['s_per_step']:.2f}x faster" if peer else "-"),
-      Result(f"{work}: generated tokens/s over the step", f"{r['tokens_per_s']:.0f}",
-             f"TRL {peer['tokens_per_s']:.0f}" if peer else "-",
-             f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"),
-      Result(f"{work}: peak RSS", f"{r['peak_rss_gib']:.1f} GiB", f"TRL {peer['peak_rss_gib']:.1f} GiB" if peer else "-",
-             f"{r['peak_rss_gib'] / peer['peak_rss_gib']:.2f}x the memory" if peer else "-"),
-      Result(f"{work}: update phase, fraction of measured matmul peak", f"{r['update_mfu']:.0%}"),
-  ]
+  results = [Result(f"{work}: seconds per step", f"{r['s_per_step']:.1f} s (sample {r['sample']:.1f}, score "
+                    f"{r['score']:.2f}, update {r['update']:.1f})")]
+  results += [Result(f"{work}: seconds per step", "", f"{q['side']} {q['s_per_step']:.1f} s",
+                     f"{q['s_per_step'] / r['s_per_step']:.2f}x faster") for q in peers]
+  results.append(Result(f"{work}: update phase, fraction of measured matmul peak", f"{r['update_mfu']:.0%}"))
+  for q in peers:
+    results.append(Result(f"{work}: peak RSS", f"{r['peak_rss_gib']:.1f} GiB", f"{q['side']} {q['peak_rss_gib']:.1f} GiB",
+                          f"{r['peak_rss_gib'] / q['peak_rss_gib']:.2f}x the memory"))
   return report(results, args.json)
 
 
