@@ -160,7 +160,7 @@ def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
       for m in range(spec.mini_batches):
         mb = jax.tree.map(lambda x: x[m * rows:(m + 1) * rows], batch)
         loss, grads, lm = accumulate(state.params, mb)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
