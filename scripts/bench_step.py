@@ -143,7 +143,8 @@ def run_tunix(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> di
 
   from rljax.rewards.verifiers.arith import arithmetic_verifier
 
-  hf = json.load(open(os.path.join(hf_dir, "config.json")))
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    hf = json.load(f)
   cfg = llama.ModelConfig(
       num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
       hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"],
