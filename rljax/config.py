@@ -15,6 +15,8 @@ import ml_collections
 from rljax.errors import ConfigError
 
 SCHEDULES = ("constant", "cosine", "linear")
+ROLLOUT_MODES = ("fused", "pipelined", "async")
+ASYNC_ONLY = dict(generator_devices=0, sync_every=1, queue_size=2)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -69,6 +71,14 @@ def base_config() -> ml_collections.ConfigDict:
       seed=0,
       dynamic_sampling=False,         # DAPO: drop zero-variance groups, refill from oversampled prompts
       oversample=2,                   # with dynamic_sampling: prompts sampled = prompts_per_step * oversample
+  ))
+  # How generation, scoring and updates are scheduled (docs/rollouts.md).
+  c.rollout = ml_collections.ConfigDict(dict(
+      mode="fused",                   # fused | pipelined | async
+      max_staleness=-1,               # policy versions a sample may lag; -1 = the mode's default (1)
+      generator_devices=0,            # async: devices of the generator part of the mesh (0 = half)
+      sync_every=1,                   # async: publish parameters to the generators every N updates
+      queue_size=2,                   # async: scored batches waiting for the learner
   ))
   c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1), distributed=False))
   c.checkpoint = ml_collections.ConfigDict(dict(
@@ -125,15 +135,63 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if len(c.mesh.shape) != 3:
     raise ConfigError(f"config.mesh.shape={tuple(c.mesh.shape)} must have 3 entries (data, fsdp, tensor).")
   loss_config(c).validate(group_size=s.num_samples)
+  _validate_rollout(c)
   if c.eval.samples < 1:
     raise ConfigError(f"config.eval.samples={c.eval.samples} must be >= 1.")
 
 
+def _validate_rollout(c: ml_collections.ConfigDict) -> None:
+  r = c.rollout
+  if r.mode not in ROLLOUT_MODES:
+    raise ConfigError(f"config.rollout.mode={r.mode!r} is not one of {ROLLOUT_MODES}.")
+  if not isinstance(r.max_staleness, int) or r.max_staleness < -1:
+    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness!r} must be an integer >= 0 "
+                      "(or -1 for the mode's default).")
+  if r.mode == "fused" and r.max_staleness not in (-1, 0):
+    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness} has no effect in rollout.mode='fused' "
+                      "(always on-policy): set rollout.mode='pipelined' or 'async', or leave max_staleness=-1.")
+  if r.mode == "pipelined" and r.max_staleness > 1:
+    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness}: the pipelined mode runs at most one "
+                      "step off-policy (0 or 1); use rollout.mode='async' for more.")
+  if r.mode != "async":
+    for name, default in ASYNC_ONLY.items():
+      if r[name] != default:
+        raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode='async' "
+                          f"(got {r.mode!r}): set rollout.mode='async' or leave it at {default}.")
+    return
+  _positive(c, "rollout.sync_every", r.sync_every)
+  _positive(c, "rollout.queue_size", r.queue_size)
+  _positive(c, "rollout.generator_devices", r.generator_devices, allow_zero=True)
+  if r.sync_every > max_staleness(c) + 1:
+    raise ConfigError(
+        f"config.rollout.sync_every={r.sync_every} with max_staleness={max_staleness(c)} would stall: a "
+        "generator waits for parameters no older than max_staleness versions, which arrive every sync_every "
+        "updates. Set sync_every <= max_staleness + 1.")
+
+
+def max_staleness(c: ml_collections.ConfigDict) -> int:
+  """The staleness bound in effect: 0 in fused mode, the configured value or 1 otherwise."""
+  r = c.rollout
+  if r.mode == "fused":
+    return 0
+  return 1 if r.max_staleness == -1 else r.max_staleness
+
+
+# Off-policy modes correct with truncated IS against the sampler; this cap is used unless rl.tis_cap is set.
+DEFAULT_OFF_POLICY_TIS_CAP = 2.0
+
+
 def loss_config(c: ml_collections.ConfigDict):
-  """The LossConfig named by config.rl (a preset plus overrides)."""
+  """The LossConfig named by config.rl (a preset plus overrides).
+
+  In an off-policy rollout mode (max_staleness > 0) with rl.tis_cap unset, the truncated IS
+  weight against the sampler is on with cap DEFAULT_OFF_POLICY_TIS_CAP (decoupled PPO).
+  """
   from rljax.rl import LossConfig
   fields = {k: v for k, v in c.rl.to_dict().items() if v is not None}
   preset = fields.pop("preset", "grpo")
+  if "rollout" in c and max_staleness(c) > 0:
+    fields.setdefault("tis_cap", DEFAULT_OFF_POLICY_TIS_CAP)
   return LossConfig.from_preset(preset, **fields)
 
 

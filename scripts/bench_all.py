@@ -4,7 +4,7 @@
 
 Each benchmark runs in its own process (so one's memory and threads do not affect the next)
 and reports rows of (benchmark, rljax, peer, ratio); the table starts with the machine and date.
-Takes about 25 minutes on a 2-core CPU, most of it the full-step comparison with TRL.
+Takes about 30 minutes on a 2-core CPU, most of it the full-step comparison with TRL.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ sys.path.insert(0, HERE)
 from benchlib import Result, machine, markdown  # noqa: E402
 
 BENCHMARKS = ("bench_forward.py", "bench_generate.py", "bench_rewards.py", "bench_logprobs_memory.py",
-              "bench_step.py")
+              "bench_rollouts.py", "bench_step.py")
 
 
 def main(argv=None) -> int:

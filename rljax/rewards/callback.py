@@ -51,13 +51,27 @@ class RewardFn:
   def host_fn(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Decodes and scores a batch on the host; returns (rewards [N] f32, components [N, K] f32)."""
     start = time.perf_counter()
-    tokens = np.asarray(tokens)
-    lengths = np.asarray(lengths).reshape(-1).astype(np.int64)
-    n = tokens.shape[0]
     with self._lock:
       examples, step, g = self._examples, self._step, self.group_size
     if examples is None:
       raise RuntimeError("reward_fn.set_batch(examples, step) must be called before the jitted step.")
+    rewards, comps, out = self.score(tokens, lengths, examples, step=step, group_size=g)
+    with self._lock:
+      self._last = out
+      self._timing = {"start": start, "end": time.perf_counter()}
+    return rewards, comps
+
+  def score(self, tokens: np.ndarray, lengths: np.ndarray, examples: Sequence[Mapping[str, Any]], *,
+            step: int = 0, group_size: int | None = None) -> tuple[np.ndarray, np.ndarray, RewardBatch]:
+    """Decodes and scores tokens [N, T] (lengths [N]) outside jit, without touching set_batch state.
+
+    Returns (rewards [N] f32, components [N, K] f32, the pool's RewardBatch). The decoupled
+    rollout modes call this from their scoring thread (trainer/rollouts.py).
+    """
+    g = self.group_size if group_size is None else int(group_size)
+    tokens = np.asarray(tokens)
+    lengths = np.asarray(lengths).reshape(-1).astype(np.int64)
+    n = tokens.shape[0]
     if len(examples) not in (n, n // max(g, 1)) or n % g:
       raise ValueError(f"reward_fn got {n} completions for {len(examples)} examples with group_size={g}; "
                        "set_batch needs one example per prompt (N // G) or per completion (N).")
@@ -66,10 +80,7 @@ class RewardFn:
     out = self.pool.score(texts, examples, num_tokens=lengths, group_size=g, step=step)
     rewards = np.asarray(out.rewards, np.float32).reshape(n)
     comps = out.components_matrix().reshape(n, len(self.component_names))
-    with self._lock:
-      self._last = out
-      self._timing = {"start": start, "end": time.perf_counter()}
-    return rewards, comps
+    return rewards, comps, out
 
   def __call__(self, tokens, lengths):
     """Inside jit: (rewards [N] float32, components [N, K] float32) via io_callback."""

@@ -20,7 +20,7 @@ from rljax.models.policy import Policy, init_params, param_shardings
 from rljax.trainer.metrics import MetricsWriter, to_floats
 from rljax.trainer.optim import make_optimizer
 from rljax.trainer.state import TrainState
-from rljax.trainer.step import StepSpec, jit_train_step, make_train_step
+from rljax.trainer.step import StepSpec
 
 log = logging.getLogger("rljax")
 
@@ -81,7 +81,13 @@ class Trainer:
     self.out_dir = config.output.dir
     os.makedirs(self.out_dir, exist_ok=True)
     shd.maybe_initialize_distributed(config.mesh.distributed or None)
-    self.mesh = shd.make_mesh(tuple(config.mesh.shape))
+    if config.rollout.mode != "fused" and jax.process_count() > 1:
+      raise ConfigError(f"config.rollout.mode={config.rollout.mode!r} runs in one process for now; multi-process "
+                        "runs use rollout.mode='fused'.")
+    from rljax.trainer.rollouts import make_rollouts, split_devices
+    learner_devices, generator_devices = split_devices(config)
+    self.mesh = shd.make_mesh(tuple(config.mesh.shape), devices=learner_devices)
+    self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
     self.policy = load_policy(config.model, config.tokenizer)
     self.tokenizer = self.policy.tokenizer
     config_lib.check_model_fits(config, self.policy.config.max_position_embeddings)
@@ -94,7 +100,9 @@ class Trainer:
     self.spec = StepSpec(
         model=self.policy.config, sampling=self.sp, loss=self.loss_cfg, prompts=t.prompts_per_step,
         mini_batches=t.mini_batches, epochs=t.epochs, micro_batches=t.micro_batches,
-        eos_ids=self.sp.stop_token_ids, oversample=self.oversample)
+        eos_ids=self.sp.stop_token_ids, oversample=self.oversample,
+        recompute_old_logprobs=config_lib.max_staleness(config) > 0)
+    self.batch_rows = t.prompts_per_step * self.oversample    # prompts sampled per step, all processes
     self.total_updates = max(t.steps * t.mini_batches * t.epochs, 1)
     self.optimizer, self.schedule = make_optimizer(config.optim, self.total_updates)
     if jax.process_index() == 0:
@@ -103,6 +111,7 @@ class Trainer:
     self._setup_data()
     self._setup_rewards()
     self._setup_state()
+    self.rollouts = make_rollouts(self)
 
   # ---- setup ------------------------------------------------------------------------------
 
@@ -121,6 +130,7 @@ class Trainer:
                                  prompts_per_batch=local_prompts,
                                  max_prompt_tokens=c.data.max_prompt_tokens)
     self._batches = iter(self.batcher)
+    self.data_state = self.batcher.state()   # of the last batch trained on: what a checkpoint saves
     self.eval_data = None
     if c.eval.every or c.eval.before_and_after:
       self.eval_data = build_dataset(data_cfg, split="test", process_index=0, process_count=1)
@@ -128,6 +138,7 @@ class Trainer:
   def _setup_rewards(self):
     from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
     spec = RewardSpec.from_dict(self.config.rewards.to_dict())
+    self.reward_spec = spec
     self.pool = RewardPool(spec)
     self.component_names = [comp["name"] for comp in spec.to_dict()["components"]] if hasattr(
         spec, "to_dict") else [comp.name for comp in spec.components]
@@ -144,7 +155,7 @@ class Trainer:
     state = TrainState.create(params, self.optimizer, c.train.seed, ref_params=ref)
     self.state_shardings = _state_shardings(state, self.mesh, self.param_shardings)
     self.state = jax.device_put(state, self.state_shardings)
-    self.batch_sharding = shd.batch_sharding(self.mesh, 2, c.train.prompts_per_step * self.oversample)
+    self.batch_sharding = shd.batch_sharding(self.mesh, 2, self.batch_rows)
     from rljax.trainer.checkpoint import Checkpointer
     self.ckpt = Checkpointer(os.path.join(self.out_dir, "checkpoints"), keep_last=c.checkpoint.keep_last,
                              keep_best=c.checkpoint.keep_best, best_metric=c.checkpoint.best_metric,
@@ -157,49 +168,56 @@ class Trainer:
       self.state, extras = self.ckpt.restore(abstract_state=abstract)
       self.batcher.restore(extras["data"])
       self._batches = iter(self.batcher)
+      self.data_state = self.batcher.state()
       self.history = extras.get("metrics", [])
       self.start_step = int(self.state.step)
       log.info("resumed from %s at step %d", self.ckpt.directory, self.start_step)
-    step_fn = make_train_step(self.spec, self.optimizer, self.reward_fn, self.schedule)
-    self.train_step = jit_train_step(step_fn, self.state_shardings, self.batch_sharding)
-
   # ---- the loop ---------------------------------------------------------------------------
 
-  def _next_batch(self):
+  def next_batch(self, sharding=None):
+    """The next prompt batch, as (PromptBatch, ids, mask) with ids/mask [P*O, Lp] on `sharding`."""
+    sharding = sharding or self.batch_sharding
     try:
       batch = next(self._batches)
     except StopIteration:
       raise DataExhausted("the dataset ran out (config.data.num_epochs reached); "
                             "raise num_epochs or set it to None to cycle forever.") from None
-    ids = jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch.prompt_ids, np.int32))
-    mask = jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch.prompt_mask, bool))
+    ids = jax.make_array_from_process_local_data(sharding, np.asarray(batch.prompt_ids, np.int32))
+    mask = jax.make_array_from_process_local_data(sharding, np.asarray(batch.prompt_mask, bool))
     return batch, ids, mask
 
   def run_step(self) -> dict[str, float]:
-    """One rollout step; returns its host-side metrics."""
-    step = int(self.state.step)
-    t0 = time.perf_counter()
-    batch, ids, mask = self._next_batch()
-    # The callback scores the whole gathered batch, so it needs every process's examples.
-    examples = [e for part in shd.allgather_objects(batch.examples) for e in part]
-    self.reward_fn.set_batch(examples, step=step)
-    self.state, metrics = self.train_step(self.state, ids, mask)
-    metrics = jax.device_get(metrics)
-    t1 = time.perf_counter()
+    """One rollout step (in config.rollout.mode); returns its host-side metrics."""
+    return self.rollouts.step()
+
+  def host_metrics(self, metrics: dict, reward_metrics: dict, step_s: float, phases: dict[str, float],
+                   prompt_len: int) -> dict[str, float]:
+    """A step's device metrics plus the reward pool's, timings (time/step, time/<phase>) and FLOP/s."""
     out = to_floats({k: v for k, v in metrics.items() if k != "reward/components"})
     for name, value in zip(self.component_names, np.asarray(metrics["reward/components"]).reshape(-1)):
       out[f"reward/{name}"] = float(value)
-    out.update({k: float(v) for k, v in self.reward_fn.last_metrics().items()})
-    timing = self.reward_fn.last_timing() if hasattr(self.reward_fn, "last_timing") else None
-    out["time/step"] = t1 - t0
-    if timing:
-      out["time/sample"] = max(timing["start"] - t0, 0.0)
-      out["time/score"] = timing["end"] - timing["start"]
-      out["time/update"] = max(t1 - timing["end"], 0.0)
-    out["throughput/tokens_per_s"] = out["response/tokens"] / max(t1 - t0, 1e-9)
-    out.update(self._perf_metrics(out, prompt_len=ids.shape[1]))
+    out.update({k: float(v) for k, v in reward_metrics.items()})
+    out["time/step"] = step_s
+    out.update({f"time/{phase}": s for phase, s in phases.items()})
+    out["throughput/tokens_per_s"] = out["response/tokens"] / max(step_s, 1e-9)
+    out.update(self._perf_metrics(out, prompt_len=prompt_len))
     out["data/" + "filtered_too_long"] = float(self.batcher.stats().get("filtered_too_long", 0))
     return out
+
+  def restart_reward_pool(self) -> None:
+    """Replaces a failed reward pool with a fresh one (the rollout modes rescore on it)."""
+    from rljax.rewards import RewardPool
+    try:
+      self.pool.close()
+    except Exception:  # noqa: BLE001 - it has already failed
+      pass
+    self.pool = RewardPool(self.reward_spec)
+    self.reward_fn.pool = self.pool
+
+  def close(self) -> None:
+    """Stops the rollout threads and the reward pool (run() does this itself)."""
+    self.rollouts.close()
+    self.pool.close()
 
   def _perf_metrics(self, m: dict[str, float], prompt_len: int) -> dict[str, float]:
     """Achieved FLOP/s per phase and as a fraction of the devices' peak (rljax/flops.py)."""
@@ -215,7 +233,8 @@ class Trainer:
         completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra)
     out = {"perf/flops_per_s": (work["sample"] + work["update"]) / max(m["time/step"], 1e-9)}
     out["perf/mfu"] = out["perf/flops_per_s"] / self._peak_flops
-    for phase in ("sample", "update"):
+    # In the decoupled modes a phase's time is the wait for it, not its duration: no per-phase MFU.
+    for phase in ("sample", "update") if self.config.rollout.mode == "fused" else ():
       if m.get(f"time/{phase}", 0.0) > 0:
         out[f"perf/{phase}_mfu"] = work[phase] / m[f"time/{phase}"] / self._peak_flops
     return out
@@ -264,9 +283,12 @@ class Trainer:
       if c.output.export_hf and jax.process_index() == 0:
         summary["hf_dir"] = self.export()
     finally:
+      self.rollouts.close()
       writer.close()
       self.ckpt.wait()
       self.pool.close()
+    if self.config.rollout.mode != "fused":
+      summary["rollout"] = dict(self.rollouts.counts)
     summary["metrics_file"] = writer.path
     if c.output.tensorboard:
       summary["tensorboard_dir"] = os.path.join(self.out_dir, "tb")
@@ -286,7 +308,7 @@ class Trainer:
         out_path=os.path.join(self.out_dir, f"eval_{tag}.jsonl"), seed=c.train.seed)
 
   def save(self, eval_metrics=None, force=False):
-    extras = {"data": self.batcher.state(), "config": json.loads(config_lib.to_json(self.config)),
+    extras = {"data": self.data_state, "config": json.loads(config_lib.to_json(self.config)),
               "metrics": self.history, "model_config": self.policy.config.to_hf(),
               "tokenizer": self.config.tokenizer or self.config.model.path}
     metrics = None

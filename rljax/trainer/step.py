@@ -83,14 +83,30 @@ def _select_groups(spec: StepSpec, rollout: dict, rewards_pg: jax.Array):
   return picked, rewards_pg[order], metrics
 
 
-def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
-                    reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
-                    learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None):
-  """Builds `step(state, prompt_ids [P*O, Lp], prompt_mask [P*O, Lp]) -> (state, metrics)`.
+def make_generate_fn(spec: StepSpec):
+  """Builds `generate(params, key, prompt_ids [P*O, Lp], prompt_mask [P*O, Lp]) -> rollout`.
 
-  `reward_fn(tokens [N, T], lengths [N]) -> (rewards [N] f32, components [N, K] f32)` is
-  the io_callback bridge of the reward pool. The returned function is not jitted;
-  the caller jits it with shardings and donation (see `jit_train_step`).
+  The rollout is a dict of device arrays, rows prompt-major (P*O*G of them): prompt_ids and
+  prompt_mask [N, Lp]; tokens [N, T] int32, mask [N, T] bool, lp_samp and entropy_samp [N, T]
+  f32 (the sampler's log-probs and entropies), lengths [N] int32 and truncated [N] bool.
+  """
+
+  def generate(params, key, prompt_ids, prompt_mask):
+    out = sample(spec.model, params, prompt_ids, prompt_mask, spec.sampling, key, eos_ids=spec.eos_ids)
+    return dict(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, tokens=out.tokens, mask=out.mask,
+                lp_samp=out.logprobs, truncated=out.truncated, entropy_samp=out.entropy, lengths=out.lengths)
+
+  return generate
+
+
+def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
+                   learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None, *, advance_rng: bool = False):
+  """Builds `update(state, rollout, rewards [N] f32, components [N, K] f32) -> (state, metrics)`.
+
+  Everything after scoring: dynamic-sampling selection, the reference log-probs, advantages,
+  lp_old, then epochs x mini-batches optimizer updates (micro-batched); `state.step` advances
+  by one. `advance_rng=True` also advances `state.rng` by the split the fused step makes, for
+  the decoupled modes that draw their sampling keys outside the step (trainer/rollouts.py).
   """
   cfg = spec.loss
   g = spec.group
@@ -118,13 +134,10 @@ def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
     (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
     return loss, grads, jax.tree.map(lambda m: m.mean(0), metrics)
 
-  def step(state: TrainState, prompt_ids, prompt_mask):
-    state, key = state.next_rng()
-    out = sample(spec.model, state.params, prompt_ids, prompt_mask, spec.sampling, key, eos_ids=spec.eos_ids)
-    rewards, components = reward_fn(out.tokens, out.lengths)
-    rollout = dict(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, tokens=out.tokens, mask=out.mask,
-                   lp_samp=out.logprobs, truncated=out.truncated, entropy_samp=out.entropy,
-                   lengths=out.lengths, rewards=rewards, components=components)
+  def update(state: TrainState, rollout: dict, rewards, components):
+    if advance_rng:
+      state, _ = state.next_rng()
+    rollout = dict(rollout, rewards=rewards, components=components)
     metrics: dict[str, Any] = {}
     rewards_pg = rewards.reshape(-1, g)
     if spec.oversample > 1:
@@ -144,6 +157,8 @@ def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
     metrics.update(adv_metrics)
     rollout["adv"] = adv.reshape(-1)
     if spec.recompute_old_logprobs:
+      # The proximal policy of decoupled PPO: the parameters before this update. Against it the
+      # sampler's log-probs (the behaviour policy) enter through the truncated IS weight (tis_cap).
       lp_old, _ = sequence_logprobs(spec, state.params, rollout["prompt_ids"], rollout["prompt_mask"],
                                     rollout["tokens"], rollout["mask"])
       rollout["lp_old"] = jax.lax.stop_gradient(lp_old)
@@ -178,6 +193,27 @@ def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
     metrics["skipped_consecutive"] = state.skipped_consecutive.astype(jnp.float32)
     metrics["skipped_total"] = state.skipped_total.astype(jnp.float32)
     return state.replace(step=state.step + 1), metrics
+
+  return update
+
+
+def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
+                    reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
+                    learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None):
+  """Builds the fused `step(state, prompt_ids [P*O, Lp], prompt_mask [P*O, Lp]) -> (state, metrics)`.
+
+  `reward_fn(tokens [N, T], lengths [N]) -> (rewards [N] f32, components [N, K] f32)` is
+  the io_callback bridge of the reward pool. The returned function is not jitted;
+  the caller jits it with shardings and donation (see `jit_train_step`).
+  """
+  generate = make_generate_fn(spec)
+  update = make_update_fn(spec, optimizer, learning_rate_fn)
+
+  def step(state: TrainState, prompt_ids, prompt_mask):
+    state, key = state.next_rng()
+    rollout = generate(state.params, key, prompt_ids, prompt_mask)
+    rewards, components = reward_fn(rollout["tokens"], rollout["lengths"])
+    return update(state, rollout, rewards, components)
 
   return step
 

@@ -1,0 +1,158 @@
+"""The pipelined and async rollout modes (rljax/trainer/rollouts.py) against the fused step."""
+import os
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from rljax.config_overrides import apply_overrides, load_config_file
+from rljax.errors import ConfigError
+from rljax.trainer.loop import Trainer
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "rljax", "configs")
+
+
+def smoke(tmp_path, *overrides):
+  cfg = load_config_file(os.path.join(CONFIGS, "smoke.py"))
+  apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "checkpoint.resume=False", *overrides])
+  return cfg
+
+
+def run_steps(cfg, n):
+  trainer = Trainer(cfg)
+  try:
+    metrics = [trainer.run_step() for _ in range(n)]
+    return metrics, jax.device_get(trainer.state.params), trainer
+  finally:
+    trainer.close()
+
+
+def flat(params):
+  return np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)])
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory):
+  return run_steps(smoke(tmp_path_factory.mktemp("fused")), 3)
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "async"])
+def test_staleness_zero_reproduces_the_fused_mode(tmp_path, fused, mode):
+  """Same rollouts, losses and parameters as fused (async: generators on 4 devices, learner on 4)."""
+  want, want_params, fused_trainer = fused
+  got, params, trainer = run_steps(smoke(tmp_path, f"rollout.mode={mode!r}", "rollout.max_staleness=0"), 3)
+  for a, b in zip(got, want):
+    assert a["response/tokens"] == b["response/tokens"]
+    assert a["reward/mean"] == b["reward/mean"]
+    assert a["rollout/staleness"] == 0
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+  # As in test_trainer's mesh comparison: float32 reduction-order noise, which Adam turns into an
+  # update difference of up to ~1% of the learning rate (0.1) on elements with near-eps gradients.
+  a, b = flat(params), flat(want_params)
+  assert np.isclose(a, b, rtol=1e-4, atol=1e-5).mean() > 0.9999
+  assert np.max(np.abs(a - b)) < 0.02 * 0.1
+  assert trainer.data_state == fused_trainer.data_state   # a checkpoint would resume at the same batch
+  if mode == "async":
+    assert len(trainer.mesh.devices.flat) == 4 and len(trainer.generator_mesh.devices.flat) == 4
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "async"])
+def test_one_step_off_policy_is_corrected(tmp_path, fused, mode):
+  """Staleness 1: lp_old is recomputed (the proximal policy) and the TIS weight corrects the sampler's."""
+  got, _, trainer = run_steps(smoke(tmp_path, f"rollout.mode={mode!r}"), 3)
+  assert trainer.loss_cfg.tis_cap == 2.0 and trainer.spec.recompute_old_logprobs
+  assert got[0]["reward/mean"] == fused[0][0]["reward/mean"]          # the first batch is on-policy
+  assert [m["rollout/staleness"] for m in got] == [0, 1, 1] or mode == "async"
+  assert max(m["rollout/staleness"] for m in got) == 1
+  stale = [m for m in got if m["rollout/staleness"] == 1]
+  assert stale
+  for m in stale:
+    # The sampler ran parameters one update older than lp_old's: they differ, and the weight is not 1.
+    assert m["sampler_logprob_diff"] > 1e-4
+    assert m["tis_weight_mean"] != pytest.approx(1.0, abs=1e-6)
+  assert trainer.rollouts.counts["batches_dropped"] == 0
+
+
+@pytest.fixture
+def verifier_module(tmp_path, monkeypatch):
+  mod = tmp_path / "mods"
+  mod.mkdir()
+  (mod / "rollout_verifiers.py").write_text(textwrap.dedent("""
+      import os, signal, time
+      from rljax.configs.smoke import vowel_fraction
+
+      def kills_its_pool_once(completion, example, marker=""):
+        # The first call SIGKILLs the pool's zygote (this worker's parent); the worker dies with it.
+        if marker and not os.path.exists(marker):
+          open(marker, "w").close()
+          os.kill(os.getppid(), signal.SIGKILL)
+          time.sleep(5)
+        return vowel_fraction(completion, example)
+  """))
+  monkeypatch.setenv("PYTHONPATH", str(mod) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  monkeypatch.syspath_prepend(str(mod))
+  return "rollout_verifiers"
+
+
+def test_async_staleness_bound_holds_under_a_slow_learner(tmp_path):
+  """Learner 8x slower (8 epochs per batch): the generators run ahead exactly to the bound, no further."""
+  steps = 5
+  got, _, trainer = run_steps(smoke(tmp_path, "rollout.mode='async'", "rollout.max_staleness=2",
+                                    "rollout.sync_every=3", "train.epochs=8", f"train.steps={steps}"), steps)
+  staleness = [m["rollout/staleness"] for m in got]
+  assert max(staleness) <= 2
+  assert 2 in staleness, staleness               # it did run ahead: the bound was what stopped it
+  assert sum(m["rollout/generator_idle_s"] for m in got) > 0
+  hist = [sum(m[f"rollout/staleness_{s}"] for m in got) for s in range(3)]
+  assert sum(hist) == steps and hist[2] >= 1
+  assert trainer.rollouts.counts == {"batches_generated": steps, "batches_trained": steps, "batches_dropped": 0}
+
+
+def test_async_staleness_bound_holds_under_a_slow_verifier(tmp_path):
+  """Scoring is the bottleneck: the learner waits, samples stay within the bound."""
+  steps = 4
+  cfg = smoke(tmp_path, "rollout.mode='async'", "rollout.max_staleness=1", f"train.steps={steps}",
+              "rewards.num_workers=2")
+  cfg.rewards.components = [dict(name="vowels", verifier="rljax.configs.smoke:slow_vowel_fraction", weight=1.0,
+                                 kwargs=dict(delay_s=0.02))]   # 64 items on 2 workers: ~0.7 s per batch
+  got, _, trainer = run_steps(cfg, steps)
+  assert all(0 <= m["rollout/staleness"] <= 1 for m in got)
+  assert sum(m["rollout/learner_idle_s"] for m in got[1:]) > 0.3     # waiting for the scorer
+  assert all(m["reward/mean"] > 0.1 for m in got)                     # real scores, not the fallback
+  assert trainer.rollouts.counts["batches_dropped"] == 0
+
+
+def test_async_pool_crash_loses_no_batches(tmp_path, verifier_module):
+  """The verifier pool's zygote is killed mid-batch, and later the whole pool dies: every batch is trained."""
+  steps = 4
+  cfg = smoke(tmp_path, "rollout.mode='async'", f"train.steps={steps}", "rewards.timeout_s=10.0")
+  cfg.rewards.components = [dict(name="vowels", verifier=f"{verifier_module}:kills_its_pool_once", weight=1.0,
+                                 kwargs=dict(marker=str(tmp_path / "killed")))]
+  trainer = Trainer(cfg)
+  try:
+    got = [trainer.run_step() for _ in range(2)]
+    trainer.pool.close()   # the pool is gone: the scorer must restart it and rescore, not drop the batch
+    got += [trainer.run_step() for _ in range(steps - 2)]
+  finally:
+    trainer.close()
+  assert os.path.exists(tmp_path / "killed")
+  assert sum(m.get("verifier/crashes", 0) for m in got) >= 1               # the zygote kill was seen
+  assert max(m["rollout/score_attempts"] for m in got) >= 2                 # rescored on a fresh pool
+  assert all(np.isfinite(m["loss"]) for m in got) and len(got) == steps
+  assert trainer.rollouts.counts == {"batches_generated": steps, "batches_trained": steps, "batches_dropped": 0}
+  assert int(trainer.state.step) == steps
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (("rollout.mode='offline'",), "rollout.mode"),
+    (("rollout.mode='pipelined'", "rollout.max_staleness=2"), "one step off-policy"),
+    (("rollout.max_staleness=1",), "no effect in rollout.mode='fused'"),
+    (("rollout.sync_every=4",), "only applies to rollout.mode='async'"),
+    (("rollout.mode='async'", "rollout.max_staleness=1", "rollout.sync_every=3"), "would stall"),
+    (("rollout.mode='async'", "rollout.generator_devices=8"), "leaves no devices"),
+])
+def test_bad_rollout_config_is_rejected(tmp_path, overrides, match):
+  with pytest.raises(ConfigError, match=match):
+    Trainer(smoke(tmp_path, *overrides))
