@@ -1,7 +1,7 @@
 """End-to-end throughput of the rollout modes (fused, pipelined, async) on the same work.
 
     python scripts/bench_rollouts.py                        # 8 simulated CPU devices, ~6 min
-    python scripts/bench_rollouts.py --steps 6 --new-tokens 32
+    python scripts/bench_rollouts.py --steps 8 --new-tokens 32 --delay 0.5
 
 A small random Llama (the smoke recipe's vowel task, SmolLM2's tokenizer) trains for `--steps`
 steps of 8 prompts x G=8 in each mode. The verifier waits `delay` seconds per item before
@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchlib import Result, add_json_arg, machine, report  # noqa: E402
 
 
-def make_config(mode: str, out_dir: str, args, delay_s: float, steps: int):
+def make_config(mode: str, out_dir: str, args, delay_s: float, steps: int, staleness: int = -1):
   from rljax.config_overrides import apply_overrides, load_config_file
   cfg = load_config_file(os.path.join(os.path.dirname(__file__), "..", "rljax", "configs", "smoke.py"))
   apply_overrides(cfg, [
       f"output.dir={out_dir!r}", "checkpoint.resume=False", f"train.steps={steps}",
-      f"rollout.mode={mode!r}", f"sampling.max_new_tokens={args.new_tokens}", "sampling.ignore_eos=True",
+      f"rollout.mode={mode!r}", f"rollout.max_staleness={staleness}", f"sampling.max_new_tokens={args.new_tokens}", "sampling.ignore_eos=True",
       f"model.random.hidden_size={args.hidden}", f"model.random.intermediate_size={4 * args.hidden}",
       f"model.random.num_layers={args.layers}", "model.random.head_dim=32", "model.random.num_heads=4",
       "optim.learning_rate=0.01", f"rewards.num_workers={args.workers}", "output.tensorboard=False"])
@@ -46,10 +46,10 @@ def make_config(mode: str, out_dir: str, args, delay_s: float, steps: int):
   return cfg
 
 
-def run_mode(mode: str, args, delay_s: float, steps: int) -> dict:
+def run_mode(mode: str, args, delay_s: float, steps: int, staleness: int = -1) -> dict:
   from rljax.trainer.loop import Trainer
   with tempfile.TemporaryDirectory() as out:
-    trainer = Trainer(make_config(mode, out, args, delay_s, steps))
+    trainer = Trainer(make_config(mode, out, args, delay_s, steps, staleness))
     try:
       metrics = [trainer.run_step()]          # compiles
       start = time.perf_counter()
@@ -59,7 +59,8 @@ def run_mode(mode: str, args, delay_s: float, steps: int) -> dict:
       trainer.close()
   timed = metrics[1:]
   completions = sum(64 for _ in timed)
-  return {"mode": mode, "wall": wall, "completions_per_s": completions / wall,
+  name = mode + (f" (max_staleness={staleness})" if staleness >= 0 else "")
+  return {"mode": name, "wall": wall, "completions_per_s": completions / wall,
           "reward_per_s": sum(m["reward/mean"] * 64 for m in timed) / wall,
           "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-2:]),
           "sample": statistics.median(m["time/sample"] for m in timed),
@@ -71,7 +72,7 @@ def run_mode(mode: str, args, delay_s: float, steps: int) -> dict:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--steps", type=int, default=8, help="steps per mode (the first is excluded from timing)")
-  p.add_argument("--new-tokens", type=int, default=48)
+  p.add_argument("--new-tokens", type=int, default=16)
   p.add_argument("--hidden", type=int, default=256)
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--workers", type=int, default=4, help="reward pool workers")
@@ -83,23 +84,29 @@ def main() -> None:
   print(machine())
   delay = args.delay
   if not delay:
-    cal = run_mode("fused", args, 0.0, 3)
+    cal = run_mode("fused", args, 0.0, 2)
     # 64 items on `workers` workers: a batch costs 64 * delay / workers seconds of scoring.
     delay = cal["sample"] * args.workers / 64
     print(f"calibration: generation {cal['sample']:.2f} s/batch -> verifier delay {delay * 1000:.1f} ms/item")
-  rows = [run_mode(mode, args, delay, args.steps) for mode in ("fused", "pipelined", "async")]
-  print(f"\n{'mode':<10} {'wall s':>7} {'compl/s':>8} {'reward/s':>9} {'reward':>7} "
+  # pipelined at staleness 0 runs the same two programs without overlap: it separates the gain of
+  # overlapping from the difference between one fused program and two halves.
+  runs = (("fused", -1), ("pipelined", 0), ("pipelined", -1), ("async", -1))
+  rows = [run_mode(mode, args, delay, args.steps, staleness) for mode, staleness in runs]
+  print(f"\n{'mode':<32} {'wall s':>7} {'compl/s':>8} {'reward/s':>9} {'reward':>7} "
         f"{'sample':>7} {'score':>7} {'update':>7} {'stale':>6}")
   for r in rows:
-    print(f"{r['mode']:<10} {r['wall']:7.1f} {r['completions_per_s']:8.2f} {r['reward_per_s']:9.2f} "
+    print(f"{r['mode']:<32} {r['wall']:7.1f} {r['completions_per_s']:8.2f} {r['reward_per_s']:9.2f} "
           f"{r['reward_last']:7.3f} {r['sample']:7.2f} {r['score']:7.2f} {r['update']:7.2f} {r['staleness']:6.2f}")
-  fused = rows[0]
+  fused, sequential = rows[0], rows[1]
+  ratio = lambda r, base, key: f"{r[key] / base[key]:.2f}x"
   results = [Result(f"rollout mode {r['mode']}: completions/s (verifier {delay * 1000:.0f} ms/item)",
                     f"{r['completions_per_s']:.2f}", f"fused {fused['completions_per_s']:.2f}",
-                    f"{r['completions_per_s'] / fused['completions_per_s']:.2f}x") for r in rows[1:]]
+                    ratio(r, fused, "completions_per_s")) for r in rows[1:]]
   results += [Result(f"rollout mode {r['mode']}: reward/s", f"{r['reward_per_s']:.2f}",
-                     f"fused {fused['reward_per_s']:.2f}", f"{r['reward_per_s'] / fused['reward_per_s']:.2f}x")
-              for r in rows[1:]]
+                     f"fused {fused['reward_per_s']:.2f}", ratio(r, fused, "reward_per_s")) for r in rows[1:]]
+  results += [Result(f"rollout mode {r['mode']} vs the same two programs without overlap: completions/s",
+                     f"{r['completions_per_s']:.2f}", f"pipelined (max_staleness=0) {sequential['completions_per_s']:.2f}",
+                     ratio(r, sequential, "completions_per_s")) for r in rows[2:]]
   report(results, args.json)
 
 

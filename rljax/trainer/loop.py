@@ -142,7 +142,11 @@ class Trainer:
     self.pool = RewardPool(spec)
     self.component_names = [comp["name"] for comp in spec.to_dict()["components"]] if hasattr(
         spec, "to_dict") else [comp.name for comp in spec.components]
-    self.reward_fn = make_reward_fn(self.pool, self.tokenizer.batch_decode, group_size=self.sp.num_samples)
+    # Rewards come back sharded like the batch; left on one device, they pull the fused step's
+    # update off the mesh (4x slower on 8 simulated devices, measured).
+    rows = self.batch_rows * self.sp.num_samples
+    self.reward_fn = make_reward_fn(self.pool, self.tokenizer.batch_decode, group_size=self.sp.num_samples,
+                                    sharding=shd.batch_sharding(self.mesh, 1, rows))
 
   def _setup_state(self):
     c = self.config

@@ -38,6 +38,7 @@ from rljax.trainer.step import jit_train_step, make_generate_fn, make_train_step
 
 log = logging.getLogger("rljax")
 
+ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "lp_samp", "truncated", "entropy_samp", "lengths")
 SCORE_ATTEMPTS = 3      # a batch is rescored on a fresh reward pool this many times before the run stops
 _POLL_S = 0.1           # how often a blocked thread checks for shutdown
 
@@ -135,12 +136,17 @@ class _Decoupled:
     self.next_index = trainer.start_step   # the next batch to generate
     # Raw key data on the host: the generator advances its own copy of the key chain.
     self.rng = np.asarray(jax.device_get(trainer.state.rng))
-    self.generate = jax.jit(make_generate_fn(trainer.spec))
-    update = make_update_fn(trainer.spec, trainer.optimizer, trainer.schedule, advance_rng=True)
-    self.update = jax.jit(update, donate_argnums=(0,), out_shardings=(trainer.state_shardings, None))
     self.learner_mesh = trainer.mesh
     self.generator_mesh = generator_mesh or trainer.mesh
     self.gen_batch_sharding = shd.batch_sharding(self.generator_mesh, 2, trainer.batch_rows)
+    # Every rollout array is sharded by rows; unconstrained, XLA may leave them (and the work
+    # producing them) on one device.
+    rows = trainer.batch_rows * trainer.spec.group
+    by_rows = lambda ndim: shd.batch_sharding(self.generator_mesh, ndim, rows)
+    rollout_sh = {k: by_rows(1 if k in ("truncated", "lengths") else 2) for k in ROLLOUT_KEYS}
+    self.generate = jax.jit(make_generate_fn(trainer.spec), out_shardings=rollout_sh)
+    update = make_update_fn(trainer.spec, trainer.optimizer, trainer.schedule, advance_rng=True)
+    self.update = jax.jit(update, donate_argnums=(0,), out_shardings=(trainer.state_shardings, None))
     self.idle = {"generator": 0.0, "scorer": 0.0, "learner": 0.0}
     self.counts = {"batches_generated": 0, "batches_trained": 0}
 
