@@ -16,7 +16,7 @@ from rljax.errors import ConfigError
 
 SCHEDULES = ("constant", "cosine", "linear")
 ROLLOUT_MODES = ("fused", "pipelined", "async")
-ASYNC_ONLY = dict(generator_devices=0, sync_every=1, queue_size=2)
+ASYNC_ONLY = ("generator_devices", "sync_every", "queue_size")   # rollout fields only the async mode reads
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -154,10 +154,11 @@ def _validate_rollout(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.rollout.max_staleness={r.max_staleness}: the pipelined mode runs at most one "
                       "step off-policy (0 or 1); use rollout.mode='async' for more.")
   if r.mode != "async":
-    for name, default in ASYNC_ONLY.items():
-      if r[name] != default:
+    defaults = base_config().rollout
+    for name in ASYNC_ONLY:
+      if r[name] != defaults[name]:
         raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode='async' "
-                          f"(got {r.mode!r}): set rollout.mode='async' or leave it at {default}.")
+                          f"(got {r.mode!r}): set rollout.mode='async' or leave it at {defaults[name]}.")
     return
   _positive(c, "rollout.sync_every", r.sync_every)
   _positive(c, "rollout.queue_size", r.queue_size)
@@ -190,7 +191,7 @@ def loss_config(c: ml_collections.ConfigDict):
   from rljax.rl import LossConfig
   fields = {k: v for k, v in c.rl.to_dict().items() if v is not None}
   preset = fields.pop("preset", "grpo")
-  if "rollout" in c and max_staleness(c) > 0:
+  if max_staleness(c) > 0:
     fields.setdefault("tis_cap", DEFAULT_OFF_POLICY_TIS_CAP)
   return LossConfig.from_preset(preset, **fields)
 

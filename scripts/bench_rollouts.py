@@ -58,10 +58,10 @@ def run_mode(mode: str, args, delay_s: float, steps: int, staleness: int = -1) -
     finally:
       trainer.close()
   timed = metrics[1:]
-  completions = sum(64 for _ in timed)
+  per_step = trainer.batch_rows * trainer.spec.group      # completions per step
   name = mode + (f" (max_staleness={staleness})" if staleness >= 0 else "")
-  return {"mode": name, "wall": wall, "completions_per_s": completions / wall,
-          "reward_per_s": sum(m["reward/mean"] * 64 for m in timed) / wall,
+  return {"mode": name, "wall": wall, "completions_per_s": per_step * len(timed) / wall,
+          "reward_per_s": sum(m["reward/mean"] * per_step for m in timed) / wall,
           "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-2:]),
           "sample": statistics.median(m["time/sample"] for m in timed),
           "score": statistics.median(m["time/score"] for m in timed),

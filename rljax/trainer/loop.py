@@ -143,12 +143,10 @@ class Trainer:
     self.component_names = [comp["name"] for comp in spec.to_dict()["components"]] if hasattr(
         spec, "to_dict") else [comp.name for comp in spec.components]
     # Rewards come back sharded like the batch: left on one device, they pulled the fused step
-    # off the mesh (6x slower on 8 simulated devices, measured). Multi-process runs keep the
-    # layout their test covers (tests/test_distributed.py).
+    # off the mesh (6x slower on 8 simulated devices, measured).
     rows = self.batch_rows * self.sp.num_samples
-    sharding = shd.batch_sharding(self.mesh, 1, rows) if jax.process_count() == 1 else None
     self.reward_fn = make_reward_fn(self.pool, self.tokenizer.batch_decode, group_size=self.sp.num_samples,
-                                    sharding=sharding)
+                                    sharding=shd.batch_sharding(self.mesh, 1, rows))
 
   def _setup_state(self):
     c = self.config

@@ -33,12 +33,11 @@ import numpy as np
 
 from rljax import config as config_lib
 from rljax import sharding as shd
-from rljax.errors import RljaxError
+from rljax.errors import ConfigError, RljaxError
 from rljax.trainer.step import jit_train_step, make_generate_fn, make_train_step, make_update_fn
 
 log = logging.getLogger("rljax")
 
-ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "lp_samp", "truncated", "entropy_samp", "lengths")
 SCORE_ATTEMPTS = 3      # a batch is rescored on a fresh reward pool this many times before the run stops
 _POLL_S = 0.1           # how often a blocked thread checks for shutdown
 
@@ -61,7 +60,6 @@ class Batch:
   rewards: np.ndarray | None = None
   components: np.ndarray | None = None
   reward_metrics: dict | None = None
-  generated_at: float = 0.0
   score_s: float = 0.0
 
 
@@ -69,6 +67,11 @@ def _split_key(rng):
   """The split `TrainState.next_rng` makes: (new raw key data, the key for this rollout)."""
   key, sub = jax.random.split(jax.random.wrap_key_data(rng))
   return jax.random.key_data(key), sub
+
+
+def by_rows(mesh, tree):
+  """NamedShardings that split every array of `tree` (arrays or ShapeDtypeStructs) by its rows."""
+  return jax.tree.map(lambda x: shd.batch_sharding(mesh, x.ndim, x.shape[0]), tree)
 
 
 def make_rollouts(trainer):
@@ -85,7 +88,6 @@ def split_devices(config) -> tuple[list, list]:
     return devices, []
   n_gen = r.generator_devices or len(devices) // 2
   if not 0 < n_gen < len(devices):
-    from rljax.errors import ConfigError
     raise ConfigError(
         f"config.rollout.generator_devices={r.generator_devices} leaves no devices for "
         f"{'the generators' if n_gen <= 0 else 'the learner'} ({len(devices)} devices); the async mode needs "
@@ -141,10 +143,10 @@ class _Decoupled:
     self.gen_batch_sharding = shd.batch_sharding(self.generator_mesh, 2, trainer.batch_rows)
     # Every rollout array is sharded by rows; unconstrained, XLA may leave them (and the work
     # producing them) on one device.
-    rows = trainer.batch_rows * trainer.spec.group
-    by_rows = lambda ndim: shd.batch_sharding(self.generator_mesh, ndim, rows)
-    rollout_sh = {k: by_rows(1 if k in ("truncated", "lengths") else 2) for k in ROLLOUT_KEYS}
-    self.generate = jax.jit(make_generate_fn(trainer.spec), out_shardings=rollout_sh)
+    generate = make_generate_fn(trainer.spec)
+    prompts = lambda dtype: jax.ShapeDtypeStruct((trainer.batch_rows, 1), dtype)   # any width: same ranks
+    shapes = jax.eval_shape(generate, trainer.state.params, jax.random.key(0), prompts(np.int32), prompts(bool))
+    self.generate = jax.jit(generate, out_shardings=by_rows(self.generator_mesh, shapes))
     update = make_update_fn(trainer.spec, trainer.optimizer, trainer.schedule, advance_rng=True)
     self.update = jax.jit(update, donate_argnums=(0,), out_shardings=(trainer.state_shardings, None))
     self.idle = {"generator": 0.0, "scorer": 0.0, "learner": 0.0}
@@ -167,7 +169,6 @@ class _Decoupled:
     """Waits for the batch's tokens and brings them to the host (the scorer needs text)."""
     item.tokens, item.lengths = (np.asarray(x) for x in jax.device_get(
         (item.rollout["tokens"], item.rollout["lengths"])))
-    item.generated_at = time.perf_counter()
     return item
 
   def score(self, item: Batch) -> Batch:
@@ -250,8 +251,7 @@ class PipelinedRollouts(_Decoupled):
     return out
 
   def close(self) -> None:
-    if self.pending is not None:
-      self.pending = None
+    self.pending = None
     self.counts["batches_dropped"] = self.counts["batches_generated"] - self.counts["batches_trained"]
 
 
@@ -356,8 +356,7 @@ class AsyncRollouts(_Decoupled):
     self.idle["learner"] += t1 - t0
     depth = self.ready.qsize()
     # Device to device: the rollout moves from the generator devices to the learner's.
-    rollout = jax.device_put(item.rollout, jax.tree.map(
-        lambda x: shd.batch_sharding(self.learner_mesh, x.ndim, x.shape[0]), item.rollout))
+    rollout = jax.device_put(item.rollout, by_rows(self.learner_mesh, item.rollout))
     metrics, staleness = self.train(item, rollout)
     metrics = jax.device_get(metrics)
     if self.version % self.sync_every == 0:
