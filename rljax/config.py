@@ -80,6 +80,18 @@ def base_config() -> ml_collections.ConfigDict:
       sync_every=1,                   # async: publish parameters to the generators every N updates
       queue_size=2,                   # async: scored batches waiting for the learner
   ))
+  # Multi-turn tool use (docs/tools.md): the model calls tools mid-generation, the host answers.
+  c.tools = ml_collections.ConfigDict(dict(
+      enabled=False,
+      names=["python"],               # tool refs: python, calculator, search, or "pkg.module:function"
+      format="hermes",                # hermes (<tool_call>{json}</tool_call>) | python (```python blocks)
+      max_turns=4,                    # tool calls per trajectory
+      segment_tokens=64,              # decode steps per compiled segment
+      slots=0,                        # KV-cache slots after the prompt (0 = 2 * sampling.max_new_tokens)
+      max_response_tokens=256,        # tool-response tokens kept per call
+      timeout_s=10.0, num_workers=2, max_memory_mb=2048,   # the tool pool (like config.rewards)
+      kwargs={},                      # per-tool keyword arguments, e.g. {"search": {"corpus_path": "docs.jsonl"}}
+  ), type_safe=False)
   c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1), distributed=False))
   c.checkpoint = ml_collections.ConfigDict(dict(
       every=0, keep_last=2, keep_best=1, best_metric="eval/accuracy", async_save=True, resume=True))
@@ -136,6 +148,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.mesh.shape={tuple(c.mesh.shape)} must have 3 entries (data, fsdp, tensor).")
   loss_config(c).validate(group_size=s.num_samples)
   _validate_rollout(c)
+  _validate_tools(c)
   if c.eval.samples < 1:
     raise ConfigError(f"config.eval.samples={c.eval.samples} must be >= 1.")
 
@@ -168,6 +181,36 @@ def _validate_rollout(c: ml_collections.ConfigDict) -> None:
         f"config.rollout.sync_every={r.sync_every} with max_staleness={max_staleness(c)} would stall: a "
         "generator waits for parameters no older than max_staleness versions, which arrive every sync_every "
         "updates. Set sync_every <= max_staleness + 1.")
+
+
+TOOL_FORMATS = ("hermes", "python")
+
+
+def _validate_tools(c: ml_collections.ConfigDict) -> None:
+  tl = c.tools
+  if not tl.enabled:
+    return
+  if tl.format not in TOOL_FORMATS:
+    raise ConfigError(f"config.tools.format={tl.format!r} is not one of {TOOL_FORMATS}.")
+  names = list(tl.names or [])
+  if not names or not all(isinstance(n, str) and n for n in names):
+    raise ConfigError(f"config.tools.names={tl.names!r}: list at least one tool (python, calculator, search, "
+                      "or 'pkg.module:function').")
+  if tl.format == "python" and names != ["python"]:
+    raise ConfigError(f"config.tools.format='python' runs ```python blocks in the interpreter; it takes "
+                      f"tools.names=['python'], got {names}. Use format='hermes' for named tools.")
+  for name in ("max_turns", "segment_tokens", "max_response_tokens", "max_memory_mb"):
+    _positive(c, f"tools.{name}", tl[name])
+  _positive(c, "tools.slots", tl.slots, allow_zero=True)
+  _positive(c, "tools.num_workers", tl.num_workers, allow_zero=True)
+  if not tl.timeout_s > 0:
+    raise ConfigError(f"config.tools.timeout_s={tl.timeout_s!r} must be > 0.")
+  if c.rollout.mode != "fused":
+    raise ConfigError(f"config.tools.enabled with rollout.mode={c.rollout.mode!r}: multi-turn rollouts alternate "
+                      "compiled decode segments with host tool calls and run on-policy; set rollout.mode='fused'.")
+  if c.sampling.ignore_eos:
+    raise ConfigError("config.tools.enabled with sampling.ignore_eos=True: a trajectory must be able to end; "
+                      "set sampling.ignore_eos=False.")
 
 
 def max_staleness(c: ml_collections.ConfigDict) -> int:

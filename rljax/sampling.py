@@ -339,14 +339,7 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   prompt_len = jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32)  # [P]
 
   # 1. Prefill, once per prompt, through the learner's forward.
-  cache = KVCache.zeros(config, p, slots)
-  cache = cache._replace(k=constrain(cache.k, ("layers", "batch", "kv_heads", "head_dim", "length")),
-                         v=constrain(cache.v, ("layers", "batch", "kv_heads", "length", "head_dim")))
-  hidden, cache = apply_model(config, params, prompt_ids, positions_from_mask(prompt_mask), prompt_mask, cache,
-                              return_hidden=True)
-  last = _last_true(prompt_mask)
-  h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [P, D]
-  logits = Transformer(config).apply({"params": params}, h_last, method=Transformer.hidden_to_logits)
+  cache, logits = prefill(config, params, prompt_ids, prompt_mask, slots, constrain)
 
   # 2. Fan out to G rows per prompt; the decode loop keeps one cache array per layer.
   fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis, total_repeat_length=x.shape[axis] * g)
@@ -400,6 +393,24 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
       num_samples=g)
 
 
+def prefill(config: ModelConfig, params, prompt_ids, prompt_mask, slots: int, constrain=lambda x, logical: x):
+  """Runs prompts [P, Lp] (mask [P, Lp]) through the model into a fresh cache of `slots` slots.
+
+  Returns (cache, logits): the KVCache ([L, P, ...], index Lp) and the float32 logits [P, V] that
+  predict each prompt's next token (from its last real token). `constrain(x, logical_axes)`
+  places sharding constraints (identity by default).
+  """
+  p = prompt_ids.shape[0]
+  cache = KVCache.zeros(config, p, slots)
+  cache = cache._replace(k=constrain(cache.k, ("layers", "batch", "kv_heads", "head_dim", "length")),
+                         v=constrain(cache.v, ("layers", "batch", "kv_heads", "length", "head_dim")))
+  hidden, cache = apply_model(config, params, prompt_ids, positions_from_mask(prompt_mask), prompt_mask, cache,
+                              return_hidden=True)
+  last = _last_true(prompt_mask)
+  h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [P, D]
+  return cache, Transformer(config).apply({"params": params}, h_last, method=Transformer.hidden_to_logits)
+
+
 def _split_layers(stacked, num_layers: int) -> list:
   """The [L, ...] stacked layer parameters as L per-layer trees (sliced once, outside the loop)."""
   return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(num_layers)]
@@ -417,11 +428,26 @@ def decode_step(config: ModelConfig, params, layer_params, tokens, positions, to
   stacks: slicing a layer out of a stack inside the loop copies its cache and weights on every
   step, and decoding is bound by reading exactly those (2-3x slower per step, measured).
   """
+  hidden, ks, vs, kv_mask = forward_cached(config, params, layer_params, tokens[:, None], positions[:, None],
+                                           token_mask[:, None], ks, vs, kv_mask, index)
+  logits = Transformer(config).apply({"params": params}, hidden[:, 0], method=Transformer.hidden_to_logits)
+  return logits, ks, vs, kv_mask
+
+
+def forward_cached(config: ModelConfig, params, layer_params, tokens, positions, token_mask, ks, vs, kv_mask, index):
+  """W new tokens per row written at slots [index, index + W) of per-layer caches.
+
+  tokens, positions: [B, W] int32; token_mask: [B, W] bool; ks, vs, kv_mask as in `decode_step`.
+  Token w of a row attends to the slots <= index + w whose kv_mask is set. Returns the
+  final-normed hidden states [B, W, D] (compute dtype) and the updated ks, vs, kv_mask.
+  """
   c = config
-  x = jnp.take(params["embedding"], tokens[:, None], axis=0).astype(c.compute_dtype)  # [B, 1, D]
-  cos, sin = rope_tables(positions[:, None], c)
-  kv_mask = jax.lax.dynamic_update_slice_in_dim(kv_mask, token_mask[:, None], index, axis=1)
-  mask = ((jnp.arange(kv_mask.shape[1]) <= index)[None, :] & kv_mask)[:, None, :]  # [B, 1, S]
+  w = tokens.shape[1]
+  x = jnp.take(params["embedding"], tokens, axis=0).astype(c.compute_dtype)  # [B, W, D]
+  cos, sin = rope_tables(positions, c)
+  kv_mask = jax.lax.dynamic_update_slice_in_dim(kv_mask, token_mask, index, axis=1)
+  causal = jnp.arange(kv_mask.shape[1])[None, :] <= index + jnp.arange(w)[:, None]  # [W, S]
+  mask = causal[None] & kv_mask[:, None, :]  # [B, W, S]
   layer = DecoderLayer(c)
   new_ks, new_vs = [], []
   for p, k, v in zip(layer_params, ks, vs):
@@ -429,8 +455,7 @@ def decode_step(config: ModelConfig, params, layer_params, tokens, positions, to
     new_ks.append(k)
     new_vs.append(v)
   x = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype).apply({"params": params["final_norm"]}, x)
-  logits = Transformer(c).apply({"params": params}, x[:, 0], method=Transformer.hidden_to_logits)
-  return logits, tuple(new_ks), tuple(new_vs), kv_mask
+  return x, tuple(new_ks), tuple(new_vs), kv_mask
 
 
 def _isin(tok, ids: tuple[int, ...]):

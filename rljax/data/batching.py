@@ -50,10 +50,13 @@ class PromptBatch:
     return self.prompt_mask.sum(axis=1).astype(np.int32)
 
 
-def render_prompt(example: Example, tokenizer: Any, chat_template: bool) -> str:
-  """The prompt text the model sees: the chat template applied to the messages,
-  or (chat_template=False) the system prompt and prompt joined by a blank line."""
+def render_prompt(example: Example, tokenizer: Any, chat_template: bool, tools: list[dict] | None = None) -> str:
+  """The prompt text the model sees: the chat template applied to the messages (and the tool
+  schemas, when given), or (chat_template=False) the system prompt and prompt joined by a blank line."""
   if chat_template:
+    if tools:
+      return tokenizer.apply_chat_template(example["prompt_messages"], add_generation_prompt=True, tokenize=False,
+                                           tools=tools)
     return tokenizer.apply_chat_template(example["prompt_messages"], add_generation_prompt=True, tokenize=False)
   return "\n\n".join(m["content"] for m in example["prompt_messages"])
 
@@ -76,11 +79,14 @@ class PromptBatcher:
     distinct: skip (and count as "duplicates") an example whose rendered prompt
       was already yielded; the data ends after _MAX_CONSECUTIVE_SKIPS duplicates
       in a row. For held-out evaluation on small procedural problem spaces.
+    tools: tool schemas ({"type": "function", "function": {...}}) rendered into every prompt
+      by the chat template (multi-turn tool use, docs/tools.md).
   """
 
   def __init__(self, dataset: PromptDataset, tokenizer: Any, prompts_per_batch: int, *,
                max_prompt_tokens: int | None = None, pad_multiple: int | None = None,
-               pad_to_max_prompt_tokens: bool | None = None, drop_remainder: bool = True, distinct: bool = False):
+               pad_to_max_prompt_tokens: bool | None = None, drop_remainder: bool = True, distinct: bool = False,
+               tools: list[dict] | None = None):
     cfg = dataset.config
     if not isinstance(prompts_per_batch, int) or prompts_per_batch < 1:
       raise ConfigError(f"PromptBatcher(prompts_per_batch={prompts_per_batch!r}): expected an integer >= 1.")
@@ -97,6 +103,7 @@ class PromptBatcher:
     self.drop_remainder = drop_remainder
     self._seen: set[str] | None = set() if distinct else None
     self._chat_template = cfg["chat_template"]
+    self._tools = list(tools) if tools else None
     self._position = 0
     self._stats = {"rows_read": 0, "examples": 0, "batches": 0, "malformed": 0, "filtered_too_long": 0}
 
@@ -167,7 +174,7 @@ class PromptBatcher:
         if self._stats["malformed"] <= _MAX_LOGGED_SKIPS:
           log.warning("skipping malformed row %s: %s", item.where, item.reason)
       else:
-        text = render_prompt(item, self.tokenizer, self._chat_template)
+        text = render_prompt(item, self.tokenizer, self._chat_template, self._tools)
         if self._seen is not None and text in self._seen:
           self._count("duplicates", item["source"])
           duplicates += 1

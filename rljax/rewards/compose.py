@@ -23,6 +23,9 @@ class RewardBatch:
     answers: the answer extracted by the accuracy component's verifier per item (None
       where it reported none), for majority voting.
     failed: name -> [N] bool, whether the verifier failed on the item.
+    infos: name -> [N] the info dict each item's verifier returned (None where it returned
+      none); a failed item gets {"failure": "timeout"|"error"|"crash"|"deadline",
+      "message": str}.
   """
   rewards: np.ndarray
   components: dict[str, np.ndarray]
@@ -30,6 +33,7 @@ class RewardBatch:
   errors: list[str]
   answers: list[str | None] = dataclasses.field(default_factory=list)
   failed: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  infos: dict[str, list[dict | None]] = dataclasses.field(default_factory=dict)
 
   def components_matrix(self) -> np.ndarray:
     """[N, K] float32 raw component scores in spec order."""

@@ -342,6 +342,7 @@ class RewardPool:
       for i in task.items:
         scores[task.comp, i] = fb
         failed[task.comp, i] = True
+        infos[task.comp][i] = {"failure": _LABELS[kind], "message": str(error)}
       counts[kind] += len(task.items)
       msg = f"[{spec.components[task.comp].name}] {_LABELS[kind]}: {error}"
       if len(errors) < _MAX_BATCH_ERRORS:
@@ -385,7 +386,8 @@ class RewardPool:
     return RewardBatch(rewards=rewards,
                        components={c.name: scores[i].astype(np.float32) for i, c in enumerate(spec.components)},
                        metrics=metrics, errors=errors, answers=answers,
-                       failed={c.name: failed[i].copy() for i, c in enumerate(spec.components)})
+                       failed={c.name: failed[i].copy() for i, c in enumerate(spec.components)},
+                       infos={c.name: infos[i] for i, c in enumerate(spec.components)})
 
   def _payload(self, t: _Task, completions, examples, tokens, step) -> tuple:
     return (t.tid, t.comp, [completions[i] for i in t.items], [examples[i] for i in t.items],

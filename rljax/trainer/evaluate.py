@@ -25,17 +25,23 @@ def _sample_fn(config, sp):
 
 def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examples: int, samples: int, sampling,
                     max_prompt_tokens: int, batch_prompts: int = 8, out_path: str | None = None,
-                    seed: int = 0, distinct: bool = True) -> dict[str, Any]:
+                    seed: int = 0, distinct: bool = True, tool_rollout=None, prompt_tools=None) -> dict[str, Any]:
   """Scores `samples` completions for each of the first `num_examples` examples of `dataset`.
 
   Returns accuracy (mean score>0.5 of the first reward component over all samples) with its
   standard error over examples, mean@k, pass@k (unbiased estimator) and maj@k for k = samples,
   plus pass@1. Writes one JSON line per example to `out_path`. With `distinct`, repeated prompts
   are skipped, so a small procedural problem space is not scored twice on the same problem.
+  With `tool_rollout(sampling) -> ToolRollout`, completions are multi-turn trajectories (tool
+  calls answered mid-generation) and the prompts carry `prompt_tools` schemas.
   """
   batcher = PromptBatcher(dataset, tokenizer, prompts_per_batch=batch_prompts, max_prompt_tokens=max_prompt_tokens,
-                          pad_to_max_prompt_tokens=True, drop_remainder=False, distinct=distinct)
-  run = _sample_fn(model_config, sampling)
+                          pad_to_max_prompt_tokens=True, drop_remainder=False, distinct=distinct, tools=prompt_tools)
+  if tool_rollout is None:
+    run = _sample_fn(model_config, sampling)
+  else:
+    engine = tool_rollout(sampling)
+    run = lambda params, ids, mask, key: engine.run(params, ids, mask, key)
   key = jax.random.key(seed)
   per_example: list[dict[str, Any]] = []
   for batch in batcher:

@@ -108,12 +108,34 @@ class Trainer:
     if jax.process_index() == 0:
       with open(os.path.join(self.out_dir, "config.json"), "w") as f:
         f.write(config_lib.to_json(config))
+    self._setup_tools()
     self._setup_data()
     self._setup_rewards()
     self._setup_state()
     self.rollouts = make_rollouts(self)
 
   # ---- setup ------------------------------------------------------------------------------
+
+  def _setup_tools(self):
+    """The tool pool and the prompts' tool schemas, when config.tools.enabled (docs/tools.md)."""
+    self.tool_runner, self.prompt_tools = None, None
+    tl = self.config.tools
+    if not tl.enabled:
+      return
+    from rljax.tools import ToolRunner
+    self.tool_runner = ToolRunner(list(tl.names), timeout_s=tl.timeout_s, num_workers=tl.num_workers,
+                                  max_memory_mb=tl.max_memory_mb, tool_kwargs=dict(tl.kwargs or {}))
+    if tl.format == "hermes":
+      self.prompt_tools = self.tool_runner.schemas()
+
+  def tool_rollout(self, sp):
+    """A multi-turn rollout engine (rljax/multiturn.py) with sampling params `sp`."""
+    from rljax.multiturn import ToolRollout, TurnParams
+    tl = self.config.tools
+    tp = TurnParams(max_turns=tl.max_turns, segment_tokens=tl.segment_tokens, slots=tl.slots,
+                    max_response_tokens=tl.max_response_tokens)
+    return ToolRollout(self.policy.config, self.tokenizer, self.tool_runner, sp, tp, fmt=tl.format,
+                       eos_ids=sp.stop_token_ids)
 
   def _setup_data(self):
     from rljax.data import PromptBatcher, build_dataset
@@ -128,7 +150,7 @@ class Trainer:
                                     shard_block=local_prompts)
     self.batcher = PromptBatcher(self.train_data, self.tokenizer,
                                  prompts_per_batch=local_prompts,
-                                 max_prompt_tokens=c.data.max_prompt_tokens)
+                                 max_prompt_tokens=c.data.max_prompt_tokens, tools=self.prompt_tools)
     self._batches = iter(self.batcher)
     self.data_state = self.batcher.state()   # of the last batch trained on: what a checkpoint saves
     self.eval_data = None
@@ -222,6 +244,8 @@ class Trainer:
     """Stops the rollout threads and the reward pool (run() does this itself)."""
     self.rollouts.close()
     self.pool.close()
+    if self.tool_runner is not None:
+      self.tool_runner.close()
 
   def _perf_metrics(self, m: dict[str, float], prompt_len: int) -> dict[str, float]:
     """Achieved FLOP/s per phase and as a fraction of the devices' peak (rljax/flops.py)."""
@@ -291,6 +315,8 @@ class Trainer:
       writer.close()
       self.ckpt.wait()
       self.pool.close()
+      if self.tool_runner is not None:
+        self.tool_runner.close()
     if self.config.rollout.mode != "fused":
       summary["rollout"] = dict(self.rollouts.counts)
     summary["metrics_file"] = writer.path
@@ -308,6 +334,7 @@ class Trainer:
         num_examples=c.eval.num_examples, samples=c.eval.samples,
         sampling=sampling_params(c, self.tokenizer, num_samples=c.eval.samples, temperature=c.eval.temperature,
                                  max_new_tokens=c.eval.max_new_tokens or None),
+        tool_rollout=self.tool_rollout if c.tools.enabled else None, prompt_tools=self.prompt_tools,
         max_prompt_tokens=c.data.max_prompt_tokens, batch_prompts=max(c.train.prompts_per_step, 8),
         out_path=os.path.join(self.out_dir, f"eval_{tag}.jsonl"), seed=c.train.seed)
 

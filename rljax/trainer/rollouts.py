@@ -76,6 +76,8 @@ def by_rows(mesh, tree):
 
 def make_rollouts(trainer):
   """The runner of config.rollout.mode for `trainer` (see the module doc)."""
+  if trainer.config.tools.enabled:
+    return ToolRollouts(trainer)
   mode = trainer.config.rollout.mode
   return {"fused": FusedRollouts, "pipelined": PipelinedRollouts, "async": AsyncRollouts}[mode](trainer)
 
@@ -378,3 +380,31 @@ class AsyncRollouts(_Decoupled):
     for th in self.threads:
       th.join(timeout=60)
     self.counts["batches_dropped"] = self.counts["batches_generated"] - self.counts["batches_trained"]
+
+
+class ToolRollouts(PipelinedRollouts):
+  """Multi-turn tool use (rljax/multiturn.py, docs/tools.md): on-policy, like the fused mode.
+
+  Generation alternates compiled decode segments with host tool calls, so it cannot live inside
+  one compiled step: each step runs the multi-turn rollout, scores the final trajectories on the
+  host, then runs the compiled update, whose log-probs attend to model and tool tokens
+  (`context_mask`) and train on the model's tokens only (`mask`).
+  """
+
+  def __init__(self, trainer):
+    super().__init__(trainer)    # max_staleness is 0 (config: tools need rollout.mode='fused')
+    self.engine = trainer.tool_rollout(trainer.sp)
+    self.tool_metrics: dict[str, float] = {}
+    self.generate = self._generate
+
+  def _generate(self, params, key, prompt_ids, prompt_mask) -> dict:
+    traj = self.engine.run(params, prompt_ids, prompt_mask, key)
+    self.tool_metrics = dict(traj.metrics)
+    fan = lambda x: jax.numpy.repeat(x, self.t.sp.num_samples, axis=0)
+    rollout = dict(traj.device, prompt_ids=fan(prompt_ids), prompt_mask=fan(prompt_mask))
+    return jax.device_put(rollout, by_rows(self.learner_mesh, rollout))
+
+  def step(self) -> dict[str, float]:
+    out = super().step()
+    out.update(self.tool_metrics)
+    return out

@@ -46,7 +46,8 @@ class StepSpec:
 def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask):
   """Teacher-forced log-probs and entropies of the completion tokens.
 
-  prompt_ids/prompt_mask: [B, Lp] (left-padded); tokens/mask: [B, T].
+  prompt_ids/prompt_mask: [B, Lp] (left-padded); tokens/mask: [B, T], mask the completion
+  tokens the model sees (for multi-turn rollouts: model and tool tokens, `context_mask`).
   Returns (lp, ent): [B, T] float32 each, under logits / temperature, without
   materialising [B, T, V] (chunked over the vocabulary).
   """
@@ -58,6 +59,12 @@ def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, m
   temperature = spec.sampling.temperature if spec.sampling.temperature > 0 else 1.0
   return chunked_logprobs(hidden, output_kernel(spec.model, params), tokens, temperature=temperature,
                           chunk_size=spec.logprob_chunk)
+
+
+def _context(rollout: dict):
+  """The completion tokens the model sees: `context_mask` (multi-turn: model and tool tokens) or
+  `mask` (single turn: the trained tokens are all there is)."""
+  return rollout.get("context_mask", rollout["mask"])
 
 
 def _select_groups(spec: StepSpec, rollout: dict, rewards_pg: jax.Array):
@@ -113,7 +120,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
   updates_per_step = spec.epochs * spec.mini_batches
 
   def loss_fn(params, mb, den):
-    lp, ent = sequence_logprobs(spec, params, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], mb["mask"])
+    lp, ent = sequence_logprobs(spec, params, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], _context(mb))
     return policy_loss(lp, mb["lp_old"], mb["adv"], mb["mask"], den, cfg, lp_ref=mb.get("lp_ref"),
                        lp_samp=mb["lp_samp"], entropy=ent, truncated=mb["truncated"])
 
@@ -146,7 +153,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
 
     if state.ref_params is not None:
       lp_ref, _ = sequence_logprobs(spec, state.ref_params, rollout["prompt_ids"], rollout["prompt_mask"],
-                                    rollout["tokens"], rollout["mask"])
+                                    rollout["tokens"], _context(rollout))
       rollout["lp_ref"] = jax.lax.stop_gradient(lp_ref)
       if cfg.kl_in_reward:
         kl = (kl_penalty(rollout["lp_samp"], lp_ref, rollout["mask"], cfg.kl_estimator) * rollout["mask"]).sum(-1)
@@ -160,14 +167,14 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
       # The proximal policy of decoupled PPO: the parameters before this update. Against it the
       # sampler's log-probs (the behaviour policy) enter through the truncated IS weight (tis_cap).
       lp_old, _ = sequence_logprobs(spec, state.params, rollout["prompt_ids"], rollout["prompt_mask"],
-                                    rollout["tokens"], rollout["mask"])
+                                    rollout["tokens"], _context(rollout))
       rollout["lp_old"] = jax.lax.stop_gradient(lp_old)
     else:
       # The sampler ran the same model code on the same parameters: its log-probs are lp_old.
       rollout["lp_old"] = rollout["lp_samp"]
 
-    train_keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "lp_old", "lp_samp", "truncated", "adv") + (
-        ("lp_ref",) if "lp_ref" in rollout else ())
+    train_keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "lp_old", "lp_samp", "truncated", "adv") + tuple(
+        k for k in ("lp_ref", "context_mask") if k in rollout)
     batch = {k: rollout[k] for k in train_keys}
     rows = batch["tokens"].shape[0] // spec.mini_batches
     update_metrics = []

@@ -1,0 +1,556 @@
+"""Multi-turn tool use: compiled decode segments, tool calls on the host, decoding resumed from the cache.
+
+Shapes: P prompts, G completions per prompt, B = P * G rows (prompt-major), Lp prompt width,
+T = sp.max_new_tokens, the trajectory width (model and tool tokens together), S = Lp + slots
+cache slots, W = the widest feed of a round, V vocab.
+
+A trajectory is the row's tokens after its prompt, in order: model turns, tool responses,
+model turns, ... `ToolRollout.run` builds B of them:
+
+1. start: every prompt is prefilled once and fanned out to its G rows (`sampling.prefill`, as
+   in `sampling.sample`); each row samples its first token.
+2. segment (compiled `lax.while_loop`): one token per live row per step. A row pauses when it
+   completes a tool call (the format's end marker, or the fence closing a ```python block), stops on a stop
+   id, or is done when its trajectory is T tokens long. A segment ends when no row is still
+   decoding, or after `segment_tokens` steps, so a row waiting for a tool waits at most one
+   segment for the others.
+3. host: each paused row's turn is decoded and parsed (`rljax.tools.parse_tool_call`); the
+   calls run together in the tool pool (worker processes with timeouts, crash recovery and
+   memory limits, `rljax.tools.ToolRunner`); every failure becomes an "Error: ..." observation.
+   Observations are wrapped by the chat template (`response_template`) and tokenized.
+4. feed (compiled): every live row feeds its pending token (sampled, not yet in the cache) and
+   its tool response, if any, at slots [index, index + W) of the existing cache, and samples
+   its next token. The history is never prefilled again. Back to 2.
+
+Sampling key k (the k-th segment step or feed, counted over the whole call) is
+fold_in(rng, k); feeding a row nothing but its pending token gives it exactly the token the
+next decode step would, so the schedule of rounds does not change any row's distribution.
+
+The cache is a timeline shared by the rows: a decode step takes one slot of every row and a
+feed takes W; slots a row does not use (it was paused or done, or its response was shorter
+than W) are masked. Positions count only a row's real tokens, so a trajectory's tokens see
+the same positions and the same keys and values as the learner's teacher-forced forward
+over [prompt, trajectory]. When the slots run out, the rows still live end truncated.
+
+Memory: the cache is 2 * L * B * (Lp + slots) * K * Dh elements of the compute dtype;
+slots defaults to 2 * T.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.errors import ConfigError
+from rljax.models.config import ModelConfig
+from rljax.models.transformer import Transformer
+from rljax.sampling import (SamplingParams, _isin, _split_layers, check_lengths, decode_step, forward_cached,
+                            prefill, sample_logits)
+
+FEED_BUCKET = 16          # feed widths are rounded up to a multiple of this (fewer compiled shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnParams:
+  """How a multi-turn rollout is bounded. Frozen: a static argument of the compiled pieces.
+
+  max_turns: tool calls per trajectory; a row that asks for one more is ended (`turn_limited`).
+  segment_tokens: decode steps per compiled segment (the most a paused row waits for others).
+  slots: cache slots after the prompt (0 = 2 * sp.max_new_tokens); see the module doc.
+  max_response_tokens: tool-response tokens kept per call (the rest is cut, with a marker).
+  end_ids: token-id sequences of the tool call's end marker (its tokenizations, see
+    `marker_variants`); a row pauses when its trajectory ends with one.
+  fence_ids: for formats whose end marker also opens a call (``` for python): the ids of every
+    token whose text contains the fence. A row then pauses on the token that closes a fence
+    pair, however the fences were merged with their neighbours ("```python", "\n```").
+  forced_width: columns of the per-turn forced-token buffer (0 = no forcing; see `run`).
+  """
+  max_turns: int = 4
+  segment_tokens: int = 64
+  slots: int = 0
+  max_response_tokens: int = 256
+  end_ids: tuple[tuple[int, ...], ...] = ()
+  fence_ids: tuple[int, ...] = ()
+  forced_width: int = 0
+
+  def validate(self) -> "TurnParams":
+    for name in ("max_turns", "segment_tokens", "max_response_tokens"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(f"tools.{name}={v!r} must be an integer >= 1.")
+    if not isinstance(self.slots, int) or self.slots < 0:
+      raise ConfigError(f"tools.slots={self.slots!r} must be an integer >= 0 (0 = twice max_new_tokens).")
+    if not (self.end_ids and all(self.end_ids)) and not self.fence_ids:
+      raise ConfigError("the tool format's end marker tokenized to nothing; check the tokenizer.")
+    return self
+
+  def cache_slots(self, sp: SamplingParams) -> int:
+    return self.slots or 2 * sp.max_new_tokens
+
+
+# ---- device side ------------------------------------------------------------------------------
+
+
+def _suffix_match(buf, n, variants):
+  """[B] whether a row's trajectory buf[:n] ends with any of the token sequences `variants`."""
+  t = buf.shape[1]
+  hit = jnp.zeros(buf.shape[:1], bool)
+  for ids in variants:
+    idx = n[:, None] - len(ids) + jnp.arange(len(ids))[None, :]
+    vals = jnp.take_along_axis(buf, jnp.clip(idx, 0, t - 1), axis=1)
+    hit = hit | jnp.all((idx >= 0) & (vals == jnp.asarray(ids, jnp.int32)[None, :]), axis=1)
+  return hit
+
+
+def _put_rows(buf, col, values, where):
+  """buf[b, col[b]] = values[b] where `where[b]` (out-of-range columns are dropped)."""
+  col = jnp.where(where, col, buf.shape[1])
+  return buf.at[jnp.arange(buf.shape[0]), col].set(values.astype(buf.dtype), mode="drop")
+
+
+def _choose(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, state, logits, live, rng):
+  """Samples the next token of the `live` rows, appends it to their trajectories, sets flags."""
+  b, t_max = state["tok"].shape
+  tok, lp, ent = sample_logits(logits, sp, jax.random.fold_in(rng, state["count"]))
+  if tp.forced_width:
+    fpos = state["forced_pos"]
+    forced = live & (fpos < state["forced_len"])
+    ftok = jnp.take_along_axis(state["forced"], jnp.minimum(fpos, tp.forced_width - 1)[:, None], axis=1)[:, 0]
+    scaled = logits.astype(jnp.float32) / sp.logprob_temperature
+    flp = jnp.take_along_axis(scaled, ftok[:, None], axis=1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
+    tok, lp = jnp.where(forced, ftok, tok), jnp.where(forced, flp, lp)
+    state = dict(state, forced_pos=fpos + forced)
+  n = state["n"]
+  state = dict(state, tok=_put_rows(state["tok"], n, tok, live), model=_put_rows(state["model"], n, live, live),
+               ctx=_put_rows(state["ctx"], n, live, live), lp=_put_rows(state["lp"], n, lp, live),
+               ent=_put_rows(state["ent"], n, ent, live), count=state["count"] + 1)
+  n = n + live
+  stop = live & _isin(tok, stop_ids)
+  fences = state["fences"]
+  if tp.fence_ids:
+    fence = live & _isin(tok, tp.fence_ids)
+    fences = fences + fence
+    end = fence & (fences % 2 == 0)
+  else:
+    end = live & _suffix_match(state["tok"], n, tp.end_ids)
+  full = live & (n >= t_max)
+  return dict(state, n=n, stopped=state["stopped"] | stop, done=state["done"] | stop | full,
+              paused=state["paused"] | (end & ~stop & ~full), fences=fences)
+
+
+def _layer_caches(config, cache, fan):
+  ks = tuple(fan(cache.k[i]) for i in range(config.num_layers))
+  vs = tuple(fan(cache.v[i]) for i in range(config.num_layers))
+  return ks, vs
+
+
+def _new_state(config: ModelConfig, sp: SamplingParams, tp: TurnParams, b: int, forced, forced_len):
+  t = sp.max_new_tokens
+  pad = 0 if config.pad_token_id is None else int(config.pad_token_id)
+  zeros = lambda dtype: jnp.zeros((b, t), dtype)
+  state = dict(tok=jnp.full((b, t), pad, jnp.int32), model=zeros(bool), ctx=zeros(bool), lp=zeros(jnp.float32),
+               ent=zeros(jnp.float32), n=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
+               stopped=jnp.zeros((b,), bool), paused=jnp.zeros((b,), bool), fences=jnp.zeros((b,), jnp.int32),
+               count=jnp.zeros((), jnp.int32))
+  if tp.forced_width:
+    state.update(forced=forced, forced_len=forced_len, forced_pos=jnp.zeros((b,), jnp.int32))
+  return state
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sp", "tp", "stop_ids"))
+def start(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, params, prompt_ids, prompt_mask, rng,
+          forced=None, forced_len=None):
+  """Prefills P prompts once, fans them out to G rows each, samples every row's first token.
+
+  prompt_ids, prompt_mask: [P, Lp]; forced [B, F] int32 / forced_len [B] when tp.forced_width.
+  Returns the rollout state (a dict of device arrays, see `_new_state`, plus the per-layer
+  caches ks / vs, kv_mask [B, S], index [], pos [B]).
+  """
+  g = sp.num_samples
+  fan = lambda x: jnp.repeat(x, g, axis=0, total_repeat_length=x.shape[0] * g)
+  width = prompt_ids.shape[1]
+  cache, logits = prefill(config, params, prompt_ids, prompt_mask, width + tp.cache_slots(sp))
+  ks, vs = _layer_caches(config, cache, fan)
+  b = prompt_ids.shape[0] * g
+  state = _new_state(config, sp, tp, b, forced, forced_len)
+  pos = fan(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32))
+  state.update(ks=ks, vs=vs, kv_mask=fan(cache.kv_mask), index=jnp.asarray(width, jnp.int32), pos=pos)
+  live = pos > 0
+  state["done"] = ~live
+  return _choose(config, sp, tp, stop_ids, state, fan(logits), live, rng)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sp", "tp", "stop_ids"), donate_argnames=("state",))
+def segment(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, params, state, rng):
+  """Decodes at most tp.segment_tokens steps, until no row is live and unpaused or slots run out."""
+  layer_params = _split_layers(params["layers"], config.num_layers)
+  slots = state["kv_mask"].shape[1]
+  decoding = lambda s: ~s["done"] & ~s["paused"]
+
+  def cond(carry):
+    step, s = carry
+    return (step < tp.segment_tokens) & jnp.any(decoding(s)) & (s["index"] < slots)
+
+  def body(carry):
+    step, s = carry
+    live = decoding(s)
+    pending = jnp.take_along_axis(s["tok"], jnp.maximum(s["n"] - 1, 0)[:, None], axis=1)[:, 0]
+    logits, ks, vs, kv_mask = decode_step(config, params, layer_params, pending, s["pos"], live, s["ks"], s["vs"],
+                                          s["kv_mask"], s["index"])
+    s = dict(s, ks=ks, vs=vs, kv_mask=kv_mask, index=s["index"] + 1, pos=s["pos"] + live)
+    return step + 1, _choose(config, sp, tp, stop_ids, s, logits, live, rng)
+
+  return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sp", "tp", "stop_ids"), donate_argnames=("state",))
+def feed(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, params, state, rng, tokens, lengths,
+         finish, forced=None, forced_len=None, new_turn=None):
+  """Feeds every live row its pending token and tool response, then samples its next token.
+
+  tokens: [B, W] int32, row b = [pending_b, response_b..., pad]; lengths: [B] int32, tokens fed
+  (1 + response length; 0 for rows not live); finish: [B] bool, rows the host ends (turn
+  limit). The responses are appended to the trajectories as context (not model) tokens. With
+  tp.forced_width, rows in new_turn [B] bool get the forced tokens forced [B, F] / forced_len [B].
+  """
+  layer_params = _split_layers(params["layers"], config.num_layers)
+  b, w = tokens.shape
+  t_max = state["tok"].shape[1]
+  done = state["done"] | finish
+  feeding = ~done & (lengths > 0)
+  lengths = jnp.where(feeding, lengths, 0)
+  # Response tokens (columns 1..) go into the trajectory after the pending token.
+  n = state["n"]
+  resp = jnp.arange(1, w)[None, :] < lengths[:, None]                # [B, W-1]
+  cols = jnp.where(resp, n[:, None] + jnp.arange(w - 1)[None, :], t_max)
+  rows = jnp.arange(b)[:, None]
+  tok = state["tok"].at[rows, cols].set(tokens[:, 1:], mode="drop")
+  ctx = state["ctx"].at[rows, cols].set(True, mode="drop")
+  n = n + jnp.maximum(lengths - 1, 0)
+  mask = jnp.arange(w)[None, :] < lengths[:, None]
+  positions = state["pos"][:, None] + jnp.arange(w)[None, :]
+  hidden, ks, vs, kv_mask = forward_cached(config, params, layer_params, tokens, positions, mask, state["ks"],
+                                           state["vs"], state["kv_mask"], state["index"])
+  last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+  logits = Transformer(config).apply({"params": params}, last, method=Transformer.hidden_to_logits)
+  full = feeding & (n >= t_max)
+  state = dict(state, tok=tok, ctx=ctx, n=n, ks=ks, vs=vs, kv_mask=kv_mask, index=state["index"] + w,
+               pos=state["pos"] + lengths, done=done | full, paused=jnp.zeros_like(done))
+  if tp.forced_width:
+    state = _new_turn_forcing(state, forced, forced_len, new_turn)
+  return _choose(config, sp, tp, stop_ids, state, logits, feeding & ~full, rng)
+
+
+def _new_turn_forcing(state, forced, forced_len, new_turn):
+  """Rows starting a new model turn take their forced tokens; the others keep their own."""
+  return dict(state, forced=jnp.where(new_turn[:, None], forced, state["forced"]),
+              forced_len=jnp.where(new_turn, forced_len, state["forced_len"]),
+              forced_pos=jnp.where(new_turn, 0, state["forced_pos"]))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sp", "tp", "stop_ids", "slots"))
+def reprefill(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, params, state, rng, history,
+              history_mask, slots: int):
+  """The baseline `feed` avoids: a fresh cache from prefilling every row's whole history.
+
+  history, history_mask: [B, Lh] the prompt and trajectory so far, left-padded. Every live
+  row samples its next token from the prefill's logits; the trajectory state is kept.
+  """
+  cache, logits = prefill(config, params, history, history_mask, history.shape[1] + slots)
+  ks, vs = _layer_caches(config, cache, lambda x: x)
+  live = ~state["done"]
+  state = dict(state, ks=ks, vs=vs, kv_mask=cache.kv_mask, index=jnp.asarray(history.shape[1], jnp.int32),
+               pos=jnp.sum(history_mask, axis=-1, dtype=jnp.int32), paused=jnp.zeros_like(live))
+  return _choose(config, sp, tp, stop_ids, state, logits, live, rng)
+
+
+# ---- host side --------------------------------------------------------------------------------
+
+
+def marker_variants(tokenizer, marker: str) -> tuple[tuple[int, ...], ...]:
+  """Token sequences that end a text with `marker`, as the tokenizer writes it after common contexts.
+
+  BPE merges a marker with the characters around it ("\\n```" may be one token), so the marker
+  is tokenized after "", " ", "\\n", ".\\n", "\\n\\n" and before "" and "\\n", and each time the
+  shortest tail that still decodes to text containing the marker is kept. A single special token (Qwen's </tool_call>) gives one variant.
+  """
+  out = []
+  for before in ("", " ", "\n", ".\n", "\n\n", "}", "}}"):
+    for after in ("", "\n"):   # a newline may merge into the marker's last token
+      ids = list(tokenizer.encode(before + marker + after))
+      for k in range(len(ids) - 1, -1, -1):
+        if marker in tokenizer.decode(ids[k:], skip_special_tokens=False):
+          tail = tuple(int(i) for i in ids[k:])
+          if tail not in out:
+            out.append(tail)
+          break
+  return tuple(out)
+
+
+def tokens_containing(tokenizer, text: str) -> tuple[int, ...]:
+  """Ids of every vocabulary token whose decoded text contains `text`."""
+  return tuple(i for i in range(tokenizer.vocab_size) if text in tokenizer.decode([i], skip_special_tokens=False))
+
+
+def response_template(tokenizer, fmt: str) -> tuple[str, str]:
+  """(prefix, suffix) text around a tool observation, as the chat template renders a tool turn.
+
+  For "hermes" the model's turn ends right after its </tool_call>; what follows until the model
+  speaks again is the template's own rendering of a tool message (for Qwen: "<|im_end|>\\n
+  <|im_start|>user\\n<tool_response>\\n", the observation, "\\n</tool_response><|im_end|>\\n
+  <|im_start|>assistant\\n"). Templates without a tool role fall back to an inline
+  <tool_response> block. "python" observations go inline in an <interpreter> block (ReTool).
+  """
+  if fmt == "python":
+    return "\n<interpreter>\n", "\n</interpreter>\n"
+  fallback = ("\n<tool_response>\n", "\n</tool_response>\n")
+  apply = getattr(tokenizer, "apply_chat_template", None)
+  if apply is None:
+    return fallback
+  turn, obs = "\x00TURN\x00", "\x00OBS\x00"
+  messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": turn},
+              {"role": "tool", "content": obs}]
+  try:
+    text = apply(messages, add_generation_prompt=True, tokenize=False)
+  except Exception:  # noqa: BLE001 - a template without a tool role
+    return fallback
+  if not isinstance(text, str) or text.count(turn) != 1 or text.count(obs) != 1 or text.index(turn) > text.index(obs):
+    return fallback
+  between = text[text.index(turn) + len(turn):]
+  prefix, suffix = between.split(obs)
+  return prefix, suffix
+
+
+@dataclasses.dataclass
+class Trajectories:
+  """B trajectories of a multi-turn rollout (numpy, rows prompt-major).
+
+  tokens: [B, T] int32, the trajectory after the prompt (pad after `lengths`).
+  model_mask: [B, T] bool, tokens the model generated (trained); context_mask: [B, T] bool,
+    every trajectory token (model and tool); logprobs / entropy: [B, T] f32 on model tokens.
+  lengths: [B] trajectory lengths; truncated: [B] ran out of tokens or slots without stopping;
+  turn_limited: [B] ended for asking more than max_turns tool calls.
+  turns: [B] tool calls made; tool_errors: [B] calls that returned an error observation.
+  """
+  tokens: np.ndarray
+  model_mask: np.ndarray
+  context_mask: np.ndarray
+  logprobs: np.ndarray
+  entropy: np.ndarray
+  lengths: np.ndarray
+  truncated: np.ndarray
+  turn_limited: np.ndarray
+  turns: np.ndarray
+  tool_errors: np.ndarray
+  metrics: dict[str, float]
+  device: dict | None = None          # the same arrays on device (the trainer uses these)
+
+
+class ToolRollout:
+  """Runs multi-turn rollouts of one model with a `ToolRunner` (see the module doc).
+
+      runner = ToolRunner(["python"], timeout_s=5)
+      rollout = ToolRollout(policy.config, tokenizer, runner, sp, TurnParams(...), fmt="python")
+      traj = rollout.run(params, prompt_ids, prompt_mask, jax.random.key(0))
+
+  resume="cache" feeds only the new tokens each round; "reprefill" rebuilds the cache from the
+  whole history each round (the slower baseline, for benchmarks and tests).
+  """
+
+  def __init__(self, config: ModelConfig, tokenizer, runner, sp: SamplingParams, tp: TurnParams | None = None, *,
+               fmt: str = "hermes", eos_ids: Sequence[int] = (), resume: str = "cache"):
+    from rljax.tools import FORMATS, end_markers
+    if fmt not in FORMATS:
+      raise ConfigError(f"tools.format={fmt!r} is not one of {FORMATS}.")
+    if resume not in ("cache", "reprefill"):
+      raise ConfigError(f"resume={resume!r} must be 'cache' or 'reprefill'.")
+    tp = tp or TurnParams()
+    if not tp.end_ids and not tp.fence_ids:
+      start_marker, end_marker = end_markers(fmt)
+      if start_marker.startswith(end_marker):   # ``` opens and closes a block: count fences
+        tp = dataclasses.replace(tp, fence_ids=tokens_containing(tokenizer, end_marker))
+      else:
+        tp = dataclasses.replace(tp, end_ids=marker_variants(tokenizer, end_marker))
+    self.config, self.tokenizer, self.runner, self.sp, self.tp = config, tokenizer, runner, sp, tp.validate()
+    self.fmt, self.resume = fmt, resume
+    self.stop_ids = tuple(sorted({int(i) for i in eos_ids} | set(sp.stop_token_ids)))
+    self.wrap = response_template(tokenizer, fmt)
+
+  def _response_ids(self, text: str) -> list[int]:
+    prefix, suffix = self.wrap
+    return list(self.tokenizer.encode(prefix + text + suffix))
+
+  def _forced(self, script, rows: Sequence[int], turn: np.ndarray):
+    f = self.tp.forced_width
+    forced = np.zeros((len(turn), f), np.int32)
+    forced_len = np.zeros((len(turn),), np.int32)
+    for r in rows:
+      ids = script(r, int(turn[r])) if script is not None else None
+      if ids:
+        if len(ids) > f:
+          raise ConfigError(f"script gave {len(ids)} forced tokens for row {r}, more than forced_width={f}.")
+        forced[r, :len(ids)], forced_len[r] = ids, len(ids)
+    return jnp.asarray(forced), jnp.asarray(forced_len)
+
+  def run(self, params, prompt_ids, prompt_mask, rng, *, script: Callable[[int, int], Sequence[int] | None] | None = None,
+          histories: bool = True) -> Trajectories:
+    """B = P * G trajectories for prompts [P, Lp] (left-padded, mask [P, Lp]); rng a PRNG key.
+
+    script(row, turn) -> token ids or None: tokens the row must emit at the start of model turn
+    `turn` (0 = the first), instead of sampling; their log-probs are still the model's (replay
+    of a transcript, an assistant prefix, or scripted tool calls in tests). Needs
+    tp.forced_width >= the longest script.
+    """
+    c, sp, tp = self.config, self.sp, self.tp
+    prompt_ids, prompt_mask = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, bool)
+    check_lengths(c, sp, prompt_ids.shape[1])
+    t0 = time.perf_counter()
+    p = prompt_ids.shape[0]
+    b = p * sp.num_samples
+    turn = np.zeros(b, np.int64)
+    errors = np.zeros(b, np.int64)
+    ended = np.zeros(b, bool)
+    history: list[list[str]] = [[] for _ in range(b)]
+    turn_start = np.zeros(b, np.int64)
+    forced = self._forced(script, range(b), turn) if tp.forced_width else (None, None)
+    state = start(c, sp, tp, self.stop_ids, params, prompt_ids, prompt_mask, rng, *forced)
+    counts = {"segments": 0, "feeds": 0, "tool_calls": 0, "tool_errors": 0, "tool_seconds": 0.0,
+              "false_triggers": 0}
+    tool_s = 0.0
+    while True:
+      state = segment(c, sp, tp, self.stop_ids, params, state, rng)
+      counts["segments"] += 1
+      tok, n, done, paused, index = jax.device_get((state["tok"], state["n"], state["done"], state["paused"],
+                                                    state["index"]))
+      live = ~done
+      if not live.any() or index >= state["kv_mask"].shape[1]:
+        break
+      if not paused.any():
+        continue          # the segment hit its step limit: decode on
+      # Parse and run the calls of the paused rows.
+      from rljax.tools import ToolCall, parse_tool_call
+      finish = np.zeros(b, bool)
+      calls: list[tuple[int, Any]] = []
+      for r in np.flatnonzero(paused & live):
+        text = self.tokenizer.decode(tok[r, turn_start[r]:n[r]].tolist(), skip_special_tokens=False)
+        call = parse_tool_call(text, self.fmt)
+        if call is None:
+          counts["false_triggers"] += 1
+          continue
+        if turn[r] >= tp.max_turns:
+          finish[r], ended[r] = True, True
+          continue
+        calls.append((r, call))
+      responses: dict[int, list[int]] = {}
+      if calls:
+        ts = time.perf_counter()
+        obs = self.runner.run([call for _, call in calls],
+                              [history[r] for r, _ in calls] if histories else None)
+        tool_s += time.perf_counter() - ts
+        for (r, call), o in zip(calls, obs):
+          turn[r] += 1
+          errors[r] += bool(o.error)
+          counts["tool_calls"] += 1
+          counts["tool_errors"] += bool(o.error)
+          if call.name == "python" and not call.error and not o.error:   # a cell that timed out is not replayed
+            history[r].append(call.arguments.get("code", ""))
+          responses[r] = self._response_ids(self._clip(o.text))
+      # Feed: pending token + response for every live row.
+      lengths = np.zeros(b, np.int32)
+      rows_fed = [r for r in np.flatnonzero(live & ~finish)]
+      for r in rows_fed:
+        room = sp.max_new_tokens - int(n[r]) - 1        # keep a token for the model to answer
+        resp = responses.get(r, [])
+        if len(resp) > room:
+          resp = resp[:max(room, 0)]
+        responses[r] = resp
+        lengths[r] = 1 + len(resp)
+      width = max(int(lengths.max()), 1)
+      width = -(-width // FEED_BUCKET) * FEED_BUCKET
+      feed_tok = np.zeros((b, width), np.int32)
+      for r in rows_fed:
+        feed_tok[r, 0] = tok[r, n[r] - 1]
+        feed_tok[r, 1:lengths[r]] = responses[r]
+      next_forced = (None, None, None)
+      if tp.forced_width:
+        new_turn = np.zeros(b, bool)
+        new_turn[list(responses)] = True
+        next_forced = self._forced(script, list(responses), turn) + (jnp.asarray(new_turn),)
+      for r in responses:
+        turn_start[r] = n[r] + len(responses[r])
+      if self.resume == "cache":
+        state = feed(c, sp, tp, self.stop_ids, params, state, rng, jnp.asarray(feed_tok), jnp.asarray(lengths),
+                     jnp.asarray(finish), *next_forced)
+      else:
+        state = self._reprefill(params, state, rng, prompt_ids, prompt_mask, feed_tok, lengths, finish,
+                                next_forced)
+      counts["feeds"] += 1
+    return self._finish(state, turn, errors, ended, counts, tool_s, time.perf_counter() - t0)
+
+  def _clip(self, text: str) -> str:
+    ids = self.tokenizer.encode(text)
+    if len(ids) <= self.tp.max_response_tokens:
+      return text
+    return self.tokenizer.decode(ids[:self.tp.max_response_tokens]) + "\n... (truncated)"
+
+  def _reprefill(self, params, state, rng, prompt_ids, prompt_mask, feed_tok, lengths, finish, forced):
+    """The baseline round: append the responses on the host, prefill every row's history afresh."""
+    g = self.sp.num_samples
+    tok, n, done = (np.asarray(x) for x in jax.device_get((state["tok"], state["n"], state["done"])))
+    pids, pmask = np.repeat(np.asarray(prompt_ids), g, 0), np.repeat(np.asarray(prompt_mask), g, 0)
+    done = done | finish
+    rows = []
+    for r in range(tok.shape[0]):
+      resp = feed_tok[r, 1:lengths[r]] if lengths[r] else []
+      rows.append(list(pids[r][pmask[r]]) + list(tok[r, :n[r]]) + list(resp))
+    width = -(-max(len(x) for x in rows) // FEED_BUCKET) * FEED_BUCKET
+    hist = np.zeros((len(rows), width), np.int32)
+    hmask = np.zeros((len(rows), width), bool)
+    for r, ids in enumerate(rows):
+      hist[r, width - len(ids):], hmask[r, width - len(ids):] = ids, True
+    # The trajectory gets the responses as context tokens, as `feed` does.
+    t_max = tok.shape[1]
+    new_tok, ctx = tok.copy(), np.asarray(jax.device_get(state["ctx"])).copy()
+    new_n = n.copy()
+    for r in range(tok.shape[0]):
+      resp = feed_tok[r, 1:lengths[r]] if lengths[r] and not done[r] else []
+      new_tok[r, n[r]:n[r] + len(resp)], ctx[r, n[r]:n[r] + len(resp)] = resp, True
+      new_n[r] = n[r] + len(resp)
+    done = done | (new_n >= t_max)
+    state = dict(state, tok=jnp.asarray(new_tok), ctx=jnp.asarray(ctx), n=jnp.asarray(new_n, jnp.int32),
+                 done=jnp.asarray(done))
+    if forced[0] is not None:
+      state = _new_turn_forcing(state, *forced)
+    slots = self.tp.cache_slots(self.sp)
+    return reprefill(self.config, self.sp, self.tp, self.stop_ids, params, state, rng, jnp.asarray(hist),
+                     jnp.asarray(hmask), slots=slots)
+
+  def _finish(self, state, turn, errors, ended, counts, tool_s, seconds) -> Trajectories:
+    keys = ("tok", "model", "ctx", "lp", "ent", "n", "stopped")
+    tok, model, ctx, lp, ent, n, stopped = (np.asarray(x) for x in jax.device_get(tuple(state[k] for k in keys)))
+    truncated = ~stopped & ~ended
+    b = tok.shape[0]
+    metrics = {
+        "tools/turns_mean": float(turn.mean()) if b else 0.0,
+        "tools/calls": float(counts["tool_calls"]),
+        "tools/errors": float(counts["tool_errors"]),
+        "tools/error_rate": counts["tool_errors"] / max(counts["tool_calls"], 1),
+        "tools/seconds": tool_s,
+        "tools/latency_s": tool_s / max(counts["tool_calls"], 1),
+        "tools/segments": float(counts["segments"]),
+        "tools/feeds": float(counts["feeds"]),
+        "tools/false_triggers": float(counts["false_triggers"]),
+        "tools/turn_limited": float(ended.sum()),
+        "tools/tool_token_fraction": float((ctx & ~model).sum() / max(ctx.sum(), 1)),
+        "tools/rollout_seconds": seconds,
+    }
+    device = dict(tokens=state["tok"], mask=state["model"], context_mask=state["ctx"], lp_samp=state["lp"],
+                  entropy_samp=state["ent"], lengths=state["n"], truncated=jnp.asarray(truncated))
+    return Trajectories(tokens=tok, model_mask=model, context_mask=ctx, logprobs=lp, entropy=ent, lengths=n,
+                        truncated=truncated, turn_limited=ended, turns=turn, tool_errors=errors, metrics=metrics,
+                        device=device)

@@ -1,0 +1,177 @@
+"""Multi-turn tool use (rljax/multiturn.py): scripted tool calls on a tiny random model with the
+SmolLM2 tokenizer, real tools in the real tool pool."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax.config import base_config
+from rljax.multiturn import ToolRollout, TurnParams, marker_variants, response_template
+from rljax.sampling import SamplingParams, sample
+from rljax.tools import ToolRunner
+from rljax.trainer.loop import load_policy
+from rljax.trainer.step import StepSpec, sequence_logprobs
+from rljax.rl import LossConfig
+
+PARITY_TOL = 1e-5     # fp32: sampler log-probs vs the learner's teacher-forced forward
+
+
+@pytest.fixture(scope="module")
+def policy():
+  c = base_config()
+  c.model.path = "random"
+  c.model.random.num_layers = 2
+  return load_policy(c.model, "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def runner():
+  with ToolRunner(["calculator", "python"], timeout_s=3.0, num_workers=2) as r:
+    yield r
+
+
+def _prompts(tok, texts):
+  ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False)) for t in texts]
+  width = max(len(i) for i in ids)
+  out, mask = np.zeros((len(ids), width), np.int32), np.zeros((len(ids), width), bool)
+  for r, i in enumerate(ids):
+    out[r, width - len(i):], mask[r, width - len(i):] = i, True
+  return out, mask
+
+
+def _engine(policy, runner, *, g=2, t=96, fmt="hermes", resume="cache", forced_width=64, **turn):
+  sp = SamplingParams(num_samples=g, max_new_tokens=t, temperature=1.0, stop_token_ids=tuple(policy.tokenizer.stop_ids))
+  tp = TurnParams(segment_tokens=turn.pop("segment_tokens", 8), forced_width=forced_width, **turn)
+  return ToolRollout(policy.config, policy.tokenizer, runner, sp, tp, fmt=fmt, eos_ids=sp.stop_token_ids,
+                     resume=resume)
+
+
+def _call(tok, body):
+  return tok.encode(f"Let me check. <tool_call>{body}</tool_call>")
+
+
+def _learner_logprobs(policy, engine, prompt_ids, prompt_mask, traj):
+  g = engine.sp.num_samples
+  spec = StepSpec(model=policy.config, sampling=engine.sp, loss=LossConfig(), prompts=prompt_ids.shape[0])
+  lp, _ = jax.jit(lambda *a: sequence_logprobs(spec, *a))(
+      policy.params, jnp.repeat(prompt_ids, g, 0), jnp.repeat(prompt_mask, g, 0), traj.tokens, traj.context_mask)
+  return np.asarray(lp)
+
+
+def test_markers_and_template(policy):
+  tok = policy.tokenizer
+  ends = marker_variants(tok, "</tool_call>")
+  assert tuple(tok.encode("</tool_call>")) in ends
+  for ids in ends:
+    assert "</tool_call>" in tok.decode(list(ids), skip_special_tokens=False)
+  prefix, suffix = response_template(tok, "hermes")
+  # SmolLM2's template renders a tool message as its own turn, then opens the assistant's.
+  assert prefix.startswith("<|im_end|>") and "tool" in prefix and suffix.endswith("<|im_start|>assistant\n")
+  assert response_template(tok, "python") == ("\n<interpreter>\n", "\n</interpreter>\n")
+
+
+def test_scripted_call_masks_resume_and_logprob_parity(policy, runner):
+  """Row 0 calls the calculator, row 1 never calls: masks, response tokens and learner parity."""
+  tok = policy.tokenizer
+  engine = _engine(policy, runner, g=1)
+  ids, mask = _prompts(tok, ["What is 6*7?", "Say hi."])
+  call = _call(tok, '{"name": "calculator", "arguments": {"expression": "6*7"}}')
+  script = lambda row, turn: call if (row, turn) == (0, 0) else None
+  traj = engine.run(policy.params, ids, mask, jax.random.key(3), script=script)
+
+  assert traj.turns.tolist() == [1, 0] and traj.tool_errors.tolist() == [0, 0]
+  n0 = int(traj.lengths[0])
+  assert traj.tokens[0, :len(call)].tolist() == call
+  prefix, suffix = engine.wrap
+  resp = tok.encode(prefix + "42" + suffix)
+  assert traj.tokens[0, len(call):len(call) + len(resp)].tolist() == resp
+  model, ctx = traj.model_mask[0], traj.context_mask[0]
+  assert model[:len(call)].all() and not model[len(call):len(call) + len(resp)].any()
+  assert model[len(call) + len(resp):n0].all(), "the model speaks again after the response"
+  assert ctx[:n0].all() and not ctx[n0:].any()
+  assert n0 > len(call) + len(resp)
+
+  lp = _learner_logprobs(policy, engine, jnp.asarray(ids), jnp.asarray(mask), traj)
+  diff = np.abs(np.where(traj.model_mask, lp - traj.logprobs, 0.0)).max()
+  assert diff <= PARITY_TOL, diff
+  assert traj.metrics["tools/calls"] == 1.0 and traj.metrics["tools/tool_token_fraction"] > 0
+
+
+def test_cache_resume_equals_reprefill(policy, runner):
+  """Feeding only the new tokens into the cache gives what prefilling the whole history gives."""
+  tok = policy.tokenizer
+  ids, mask = _prompts(tok, ["Compute 2+3.", "Compute 10/4."])
+  calls = {0: _call(tok, '{"name": "calculator", "arguments": {"expression": "2+3"}}'),
+           3: _call(tok, '{"name": "calculator", "arguments": {"expression": "10/4"}}')}
+  script = lambda row, turn: calls.get(row) if turn == 0 else None
+  out = {}
+  for resume in ("cache", "reprefill"):
+    engine = _engine(policy, runner, g=2, resume=resume)
+    out[resume] = engine.run(policy.params, ids, mask, jax.random.key(7), script=script)
+  a, b = out["cache"], out["reprefill"]
+  assert a.turns.tolist() == [1, 0, 0, 1]
+  np.testing.assert_array_equal(a.lengths, b.lengths)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.model_mask, b.model_mask)
+  assert np.abs(a.logprobs - b.logprobs).max() <= PARITY_TOL
+
+
+def test_rows_without_tools_match_the_single_turn_sampler(policy, runner):
+  """Other rows' tool calls do not change a row's tokens: rows that never call a tool get exactly
+  what `sampling.sample` gives with the same key."""
+  tok = policy.tokenizer
+  ids, mask = _prompts(tok, ["Compute 2+3.", "Tell me a story."])
+  call = _call(tok, '{"name": "calculator", "arguments": {"expression": "2+3"}}')
+  engine = _engine(policy, runner, g=2)
+  traj = engine.run(policy.params, ids, mask, jax.random.key(11), script=lambda r, t: call if (r, t) == (0, 0) else None)
+  ref = sample(policy.config, policy.params, jnp.asarray(ids), jnp.asarray(mask),
+               dataclasses.replace(engine.sp), jax.random.key(11), eos_ids=engine.stop_ids)
+  assert traj.turns.tolist() == [1, 0, 0, 0]
+  for r in (1, 2, 3):
+    n = int(traj.lengths[r])
+    assert n == int(ref.lengths[r])
+    np.testing.assert_array_equal(traj.tokens[r, :n], np.asarray(ref.tokens)[r, :n])
+    np.testing.assert_allclose(traj.logprobs[r, :n], np.asarray(ref.logprobs)[r, :n], atol=PARITY_TOL)
+
+
+def test_hostile_calls_become_error_observations(policy, runner):
+  tok = policy.tokenizer
+  ids, mask = _prompts(tok, ["a", "b", "c", "d"])
+  bodies = ['{"name": "calculator", "arguments": {"expression": "6*7"',        # malformed JSON
+            '{"name": "rm_rf", "arguments": {}}',                               # unknown tool
+            '{"name": "calculator", "arguments": {"expr": "1"}}',               # wrong argument
+            '{"name": "python", "arguments": {"code": "while True: pass"}}']    # hangs past the timeout
+  calls = {r: _call(tok, b) for r, b in enumerate(bodies)}
+  engine = _engine(policy, runner, g=1, t=160, forced_width=40)
+  traj = engine.run(policy.params, ids, mask, jax.random.key(0), script=lambda r, t: calls[r] if t == 0 else None)
+  assert traj.turns.tolist() == [1, 1, 1, 1]
+  assert traj.tool_errors.tolist() == [1, 1, 1, 1]
+  for r in range(4):
+    n = int(traj.lengths[r])
+    text = tok.decode(traj.tokens[r, :n].tolist(), skip_special_tokens=False)
+    assert "Error" in text[len(tok.decode(calls[r], skip_special_tokens=False)):], text
+    assert traj.model_mask[r, :n].sum() > len(calls[r]), "decoding resumed after the error observation"
+  assert "timed out" in tok.decode(traj.tokens[3, :traj.lengths[3]].tolist()).lower()
+
+
+def test_python_format_keeps_interpreter_state_and_turn_limit(policy, runner):
+  tok = policy.tokenizer
+  ids, mask = _prompts(tok, ["x"])
+  cells = [tok.encode("```python\nx = 21\n```"), tok.encode("```python\nprint(x * 2)\n```"),
+           tok.encode("```python\nprint(1)\n```")]
+  engine = _engine(policy, runner, g=1, t=200, fmt="python", max_turns=2, forced_width=24)
+  traj = engine.run(policy.params, ids, mask, jax.random.key(1), script=lambda r, t: cells[t] if t < 3 else None)
+  text = tok.decode(traj.tokens[0, :traj.lengths[0]].tolist(), skip_special_tokens=False)
+  assert traj.turns.tolist() == [2]
+  assert "<interpreter>\n42\n</interpreter>" in text, text
+  assert traj.turn_limited.tolist() == [True] and not traj.truncated[0]
+  assert text.rstrip().endswith("```"), "the third call ended the trajectory unanswered"
+
+
+def test_bad_turn_params(policy, runner):
+  with pytest.raises(Exception, match="max_turns"):
+    _engine(policy, runner, max_turns=0)
+  with pytest.raises(Exception, match="format"):
+    _engine(policy, runner, fmt="xml")
