@@ -16,6 +16,7 @@ from rljax.errors import ConfigError
 
 SCHEDULES = ("constant", "cosine", "linear")
 ROLLOUT_MODES = ("fused", "pipelined", "async")
+PROXIMAL = ("recompute", "sampler")   # the off-policy modes' lp_old (docs/rollouts.md)
 ASYNC_ONLY = ("generator_devices", "sync_every", "queue_size")   # rollout fields only the async mode reads
 
 
@@ -76,6 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict(dict(
       mode="fused",                   # fused | pipelined | async
       max_staleness=-1,               # policy versions a sample may lag; -1 = the mode's default (1)
+      proximal="recompute",           # off-policy lp_old: recompute (decoupled PPO) | sampler (PPO on behaviour)
       generator_devices=0,            # async: devices of the generator part of the mesh (0 = half)
       sync_every=1,                   # async: publish parameters to the generators every N updates
       queue_size=2,                   # async: scored batches waiting for the learner
@@ -163,6 +165,11 @@ def _validate_rollout(c: ml_collections.ConfigDict) -> None:
   if r.mode == "fused" and r.max_staleness not in (-1, 0):
     raise ConfigError(f"config.rollout.max_staleness={r.max_staleness} has no effect in rollout.mode='fused' "
                       "(always on-policy): set rollout.mode='pipelined' or 'async', or leave max_staleness=-1.")
+  if r.proximal not in PROXIMAL:
+    raise ConfigError(f"config.rollout.proximal={r.proximal!r} is not one of {PROXIMAL}.")
+  if r.mode == "fused" and r.proximal != "recompute":
+    raise ConfigError(f"config.rollout.proximal={r.proximal!r} has no effect in rollout.mode='fused' (lp_old is "
+                      "always the sampler's there): set rollout.mode='pipelined' or 'async', or leave it.")
   if r.mode == "pipelined" and r.max_staleness > 1:
     raise ConfigError(f"config.rollout.max_staleness={r.max_staleness}: the pipelined mode runs at most one "
                       "step off-policy (0 or 1); use rollout.mode='async' for more.")
@@ -221,6 +228,11 @@ def max_staleness(c: ml_collections.ConfigDict) -> int:
   return 1 if r.max_staleness == -1 else r.max_staleness
 
 
+def recompute_old_logprobs(c: ml_collections.ConfigDict) -> bool:
+  """Whether the update recomputes lp_old (off-policy batches with rollout.proximal='recompute')."""
+  return max_staleness(c) > 0 and c.rollout.proximal == "recompute"
+
+
 # Off-policy modes correct with truncated IS against the sampler; this cap is used unless rl.tis_cap is set.
 DEFAULT_OFF_POLICY_TIS_CAP = 2.0
 
@@ -228,13 +240,15 @@ DEFAULT_OFF_POLICY_TIS_CAP = 2.0
 def loss_config(c: ml_collections.ConfigDict):
   """The LossConfig named by config.rl (a preset plus overrides).
 
-  In an off-policy rollout mode (max_staleness > 0) with rl.tis_cap unset, the truncated IS
-  weight against the sampler is on with cap DEFAULT_OFF_POLICY_TIS_CAP (decoupled PPO).
+  In an off-policy rollout mode (max_staleness > 0) with rl.tis_cap unset and lp_old
+  recomputed (rollout.proximal='recompute'), the truncated IS weight against the sampler is on
+  with cap DEFAULT_OFF_POLICY_TIS_CAP (decoupled PPO). With proximal='sampler', lp_old is the
+  sampler's and the IS weight would be 1.
   """
   from rljax.rl import LossConfig
   fields = {k: v for k, v in c.rl.to_dict().items() if v is not None}
   preset = fields.pop("preset", "grpo")
-  if max_staleness(c) > 0:
+  if recompute_old_logprobs(c):
     fields.setdefault("tis_cap", DEFAULT_OFF_POLICY_TIS_CAP)
   return LossConfig.from_preset(preset, **fields)
 

@@ -32,12 +32,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchlib import Result, add_json_arg, machine, report  # noqa: E402
 
 
-def make_config(mode: str, out_dir: str, args, delay_s: float, steps: int, staleness: int = -1):
+def make_config(mode: str, out_dir: str, args, delay_s: float, steps: int, staleness: int = -1,
+                proximal: str = "recompute"):
   from rljax.config_overrides import apply_overrides, load_config_file
   cfg = load_config_file(os.path.join(os.path.dirname(__file__), "..", "rljax", "configs", "smoke.py"))
   apply_overrides(cfg, [
       f"output.dir={out_dir!r}", "checkpoint.resume=False", f"train.steps={steps}",
-      f"rollout.mode={mode!r}", f"rollout.max_staleness={staleness}", f"sampling.max_new_tokens={args.new_tokens}", "sampling.ignore_eos=True",
+      f"rollout.mode={mode!r}", f"rollout.max_staleness={staleness}", f"rollout.proximal={proximal!r}", f"sampling.max_new_tokens={args.new_tokens}", "sampling.ignore_eos=True",
       f"model.random.hidden_size={args.hidden}", f"model.random.intermediate_size={4 * args.hidden}",
       f"model.random.num_layers={args.layers}", "model.random.head_dim=32", "model.random.num_heads=4",
       "optim.learning_rate=0.01", f"rewards.num_workers={args.workers}", "output.tensorboard=False"])
@@ -46,10 +47,10 @@ def make_config(mode: str, out_dir: str, args, delay_s: float, steps: int, stale
   return cfg
 
 
-def run_mode(mode: str, args, delay_s: float, steps: int, staleness: int = -1) -> dict:
+def run_mode(mode: str, args, delay_s: float, steps: int, staleness: int = -1, proximal: str = "recompute") -> dict:
   from rljax.trainer.loop import Trainer
   with tempfile.TemporaryDirectory() as out:
-    trainer = Trainer(make_config(mode, out, args, delay_s, steps, staleness))
+    trainer = Trainer(make_config(mode, out, args, delay_s, steps, staleness, proximal))
     try:
       metrics = [trainer.run_step()]          # compiles
       start = time.perf_counter()
@@ -59,7 +60,8 @@ def run_mode(mode: str, args, delay_s: float, steps: int, staleness: int = -1) -
       trainer.close()
   timed = metrics[1:]
   per_step = trainer.batch_rows * trainer.spec.group      # completions per step
-  name = mode + (f" (max_staleness={staleness})" if staleness >= 0 else "")
+  name = mode + (f" (max_staleness={staleness})" if staleness >= 0 else "") + (
+      f" (proximal={proximal})" if proximal != "recompute" else "")
   return {"mode": name, "wall": wall, "completions_per_s": per_step * len(timed) / wall,
           "reward_per_s": sum(m["reward/mean"] * per_step for m in timed) / wall,
           "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-2:]),
@@ -90,12 +92,15 @@ def main() -> None:
     print(f"calibration: generation {cal['sample']:.2f} s/batch -> verifier delay {delay * 1000:.1f} ms/item")
   # pipelined at staleness 0 runs the same two programs without overlap: it separates the gain of
   # overlapping from the difference between one fused program and two halves.
-  runs = (("fused", -1), ("pipelined", 0), ("pipelined", -1), ("async", -1))
-  rows = [run_mode(mode, args, delay, args.steps, staleness) for mode, staleness in runs]
-  print(f"\n{'mode':<32} {'wall s':>7} {'compl/s':>8} {'reward/s':>9} {'reward':>7} "
+  # proximal=sampler: lp_old is the sampler's (PPO clipped against the behaviour policy), so the
+  # off-policy update skips the forward that recomputes it.
+  runs = (("fused", -1, "recompute"), ("pipelined", 0, "recompute"), ("pipelined", -1, "recompute"),
+          ("pipelined", -1, "sampler"), ("async", -1, "recompute"), ("async", -1, "sampler"))
+  rows = [run_mode(mode, args, delay, args.steps, staleness, proximal) for mode, staleness, proximal in runs]
+  print(f"\n{'mode':<50} {'wall s':>7} {'compl/s':>8} {'reward/s':>9} {'reward':>7} "
         f"{'sample':>7} {'score':>7} {'update':>7} {'stale':>6}")
   for r in rows:
-    print(f"{r['mode']:<32} {r['wall']:7.1f} {r['completions_per_s']:8.2f} {r['reward_per_s']:9.2f} "
+    print(f"{r['mode']:<50} {r['wall']:7.1f} {r['completions_per_s']:8.2f} {r['reward_per_s']:9.2f} "
           f"{r['reward_last']:7.3f} {r['sample']:7.2f} {r['score']:7.2f} {r['update']:7.2f} {r['staleness']:6.2f}")
   fused, sequential = rows[0], rows[1]
   ratio = lambda r, base, key: f"{r[key] / base[key]:.2f}x"

@@ -175,3 +175,102 @@ def test_bad_turn_params(policy, runner):
     _engine(policy, runner, max_turns=0)
   with pytest.raises(Exception, match="format"):
     _engine(policy, runner, fmt="xml")
+
+
+def test_update_trains_on_model_tokens_and_recomputes_sampler_logprobs(policy, runner):
+  """The compiled update on a multi-turn rollout: its recomputed lp_old (attending to tool tokens
+  through context_mask) equals the sampler's on every model token; without the context the
+  same tokens get other log-probs, and tool tokens carry no loss weight."""
+  import optax
+  from rljax.trainer.state import TrainState
+  from rljax.trainer.step import make_update_fn
+  tok = policy.tokenizer
+  ids, mask = _prompts(tok, ["What is 6*7?", "Compute 2+3."])
+  calls = {0: _call(tok, '{"name": "calculator", "arguments": {"expression": "6*7"}}'),
+           2: _call(tok, '{"name": "calculator", "arguments": {"expression": "2+3"}}')}
+  engine = _engine(policy, runner, g=2)
+  traj = engine.run(policy.params, ids, mask, jax.random.key(5), script=lambda r, t: calls.get(r) if t == 0 else None)
+  assert traj.turns.tolist() == [1, 0, 1, 0]
+  g = engine.sp.num_samples
+  rollout = dict(traj.device, prompt_ids=jnp.repeat(jnp.asarray(ids), g, 0),
+                 prompt_mask=jnp.repeat(jnp.asarray(mask), g, 0))
+  spec = StepSpec(model=policy.config, sampling=engine.sp, loss=LossConfig(), prompts=2,
+                  eos_ids=engine.stop_ids, recompute_old_logprobs=True)
+  opt = optax.sgd(0.0)
+  rewards = jnp.asarray([1.0, 0.0, 0.0, 1.0])
+  comps = rewards[:, None]
+
+  def diff(r):
+    state = TrainState.create(policy.params, opt, 0)
+    _, metrics = jax.jit(make_update_fn(spec, opt))(state, r, rewards, comps)
+    return float(metrics["sampler_logprob_diff_max"]), float(metrics["response_length_mean"])
+
+  with_ctx, length = diff(rollout)
+  without_ctx, _ = diff({k: v for k, v in rollout.items() if k != "context_mask"})
+  assert with_ctx <= PARITY_TOL, with_ctx
+  assert without_ctx > 1e-3, "hiding the tool tokens changes the model tokens' log-probs"
+  # The loss counts model tokens only: the mean trained length excludes tool-response tokens.
+  assert length == pytest.approx(traj.model_mask.sum() / 4)
+  assert traj.model_mask.sum() < traj.context_mask.sum()
+
+
+def test_trainer_runs_multi_turn_steps(tmp_path):
+  """Plumbing: the trainer with tools enabled runs steps (tiny random model, python format)."""
+  from rljax.configs import retool_tiny
+  from rljax.trainer.loop import Trainer
+  c = retool_tiny.get_config()
+  c.model.path = "random"
+  c.tokenizer = "smollm2-135m-instruct"
+  c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                             head_dim=8))
+  c.sampling.max_new_tokens = 48
+  c.tools.segment_tokens = 16
+  c.train.prompts_per_step = 2
+  c.sampling.num_samples = 2
+  c.output.dir = str(tmp_path)
+  c.output.progress = False
+  c.output.tensorboard = False
+  trainer = Trainer(c)
+  try:
+    m = trainer.run_step()
+  finally:
+    trainer.close()
+  assert np.isfinite(m["loss"]) and m["tools/segments"] >= 3
+  assert {"tools/calls", "tools/errors", "tools/latency_s", "tools/turns_mean"} <= set(m)
+
+
+def test_tools_config_errors():
+  from rljax.config import validate
+  from rljax.errors import ConfigError
+  c = base_config()
+  c.tools.enabled = True
+  c.tools.format = "python"
+  c.tools.names = ["calculator"]
+  with pytest.raises(ConfigError, match="format='python'"):
+    validate(c)
+  c.tools.format = "hermes"
+  c.rollout.mode = "async"
+  with pytest.raises(ConfigError, match="rollout.mode='fused'"):
+    validate(c)
+  c.rollout.mode = "fused"
+  c.tools.max_turns = 0
+  with pytest.raises(ConfigError, match="tools.max_turns"):
+    validate(c)
+
+
+def test_prompts_show_the_tools(policy):
+  """Templates that render tools= get them; SmolLM2's ignores them, so a Hermes-style block goes into
+  the system prompt instead."""
+  from rljax.data.batching import render_prompt, template_renders_tools
+  from rljax.tokenizer import Tokenizer
+  tok = policy.tokenizer
+  schemas = ToolRunner(["calculator"], num_workers=0).schemas()
+  example = {"prompt_messages": [{"role": "user", "content": "2+2?"}]}
+  assert not template_renders_tools(tok)
+  text = render_prompt(example, tok, True, schemas)
+  assert text.startswith("<|im_start|>system\nYou can call tools") and '"name": "calculator"' in text
+  own = Tokenizer(tok.backend, chat_template="{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
+                  "{% for m in messages %}{{ m.content }}{% endfor %}")
+  assert template_renders_tools(own)
+  assert render_prompt(example, own, True, schemas) == "TOOL calculator\n2+2?"
+  assert "<tools>" in render_prompt(example, own, False, schemas)     # no chat template: the block

@@ -76,6 +76,20 @@ def test_one_step_off_policy_is_corrected(tmp_path, fused, mode):
   assert trainer.rollouts.counts["batches_dropped"] == 0
 
 
+def test_sampler_as_proximal_policy(tmp_path, fused):
+  """rollout.proximal='sampler': no lp_old recompute; PPO's ratio is taken against the sampler's
+  log-probs directly, so a stale batch starts away from ratio 1 and the IS weight is off."""
+  got, _, trainer = run_steps(smoke(tmp_path, "rollout.mode='pipelined'", "rollout.proximal='sampler'"), 3)
+  assert not trainer.spec.recompute_old_logprobs and trainer.loss_cfg.tis_cap is None
+  assert got[0]["reward/mean"] == fused[0][0]["reward/mean"]
+  assert got[0]["loss"] == pytest.approx(fused[0][0]["loss"], rel=1e-4, abs=1e-6)   # on-policy: the same update
+  stale = [m for m in got if m["rollout/staleness"] == 1]
+  assert len(stale) == 2
+  for m in stale:
+    assert m["sampler_logprob_diff"] == 0.0              # lp_old is the sampler's
+    assert m["approx_kl_old"] > 1e-8                     # one update away from the behaviour policy
+
+
 @pytest.fixture
 def verifier_module(tmp_path, monkeypatch):
   mod = tmp_path / "mods"
@@ -150,6 +164,8 @@ def test_async_pool_crash_loses_no_batches(tmp_path, verifier_module):
     (("rollout.mode='offline'",), "rollout.mode"),
     (("rollout.mode='pipelined'", "rollout.max_staleness=2"), "one step off-policy"),
     (("rollout.max_staleness=1",), "no effect in rollout.mode='fused'"),
+    (("rollout.proximal='sampler'",), "no effect in rollout.mode='fused'"),
+    (("rollout.mode='pipelined'", "rollout.proximal='behaviour'"), "rollout.proximal"),
     (("rollout.sync_every=4",), "only applies to rollout.mode='async'"),
     (("rollout.mode='async'", "rollout.max_staleness=1", "rollout.sync_every=3"), "would stall"),
     (("rollout.mode='async'", "rollout.generator_devices=8"), "leaves no devices"),

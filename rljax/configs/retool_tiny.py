@@ -5,8 +5,8 @@ the sandboxed interpreter (state kept across the trajectory's blocks) and comes 
 <interpreter> block, after which the model continues. Rewards score the final trajectory;
 interpreter output is context, never trained on (docs/tools.md).
 
-  rljax train --config rljax/configs/retool_tiny.py
-  rljax train --config rljax/configs/retool_tiny.py --config.model.path=/path/to/Qwen2.5-Math-1.5B-Instruct \\
+  rljax train --config configs/retool_tiny.py
+  rljax train --config configs/retool_tiny.py --config.model.path=/path/to/Qwen2.5-Math-1.5B-Instruct \\
       --config.train.steps=400 --config.sampling.max_new_tokens=1024 --config.tools.max_turns=8
 """
 from rljax.config import base_config

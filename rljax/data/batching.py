@@ -13,6 +13,7 @@ prompt rounded up to a multiple of `pad_multiple` (default 16), capped at
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -51,14 +52,51 @@ class PromptBatch:
 
 
 def render_prompt(example: Example, tokenizer: Any, chat_template: bool, tools: list[dict] | None = None) -> str:
-  """The prompt text the model sees: the chat template applied to the messages (and the tool
-  schemas, when given), or (chat_template=False) the system prompt and prompt joined by a blank line."""
+  """The prompt text the model sees: the chat template applied to the messages, or
+  (chat_template=False) the system prompt and prompt joined by a blank line.
+
+  With `tools` (schemas, {"type": "function", "function": {...}}): templates that render tools
+  themselves (Qwen, Llama 3) get them as `tools=`; for the others (SmolLM2) and without a chat
+  template, a Hermes-style tool block (`tool_instructions`) is added to the system prompt.
+  """
+  messages = example["prompt_messages"]
+  if tools and not (chat_template and template_renders_tools(tokenizer)):
+    messages = with_tool_instructions(messages, tools)
+    tools = None
   if chat_template:
     if tools:
-      return tokenizer.apply_chat_template(example["prompt_messages"], add_generation_prompt=True, tokenize=False,
-                                           tools=tools)
-    return tokenizer.apply_chat_template(example["prompt_messages"], add_generation_prompt=True, tokenize=False)
-  return "\n\n".join(m["content"] for m in example["prompt_messages"])
+      return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+  return "\n\n".join(m["content"] for m in messages)
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+  """Whether the tokenizer's chat template shows `tools=` to the model (it changes the text)."""
+  messages = [{"role": "user", "content": "hi"}]
+  probe = [{"type": "function", "function": {"name": "probe_tool_x", "description": "", "parameters": {
+      "type": "object", "properties": {}}}}]
+  try:
+    return "probe_tool_x" in tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                           tools=probe)
+  except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
+    return False
+
+
+def tool_instructions(tools: list[dict]) -> str:
+  """The Hermes-style description of `tools` for templates that do not render them."""
+  lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+  return ("You can call tools. The available tools, as JSON schemas:\n<tools>\n" + lines + "\n</tools>\n"
+          'To call one, write <tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call> and stop; '
+          "its result comes back in the next message.")
+
+
+def with_tool_instructions(messages: list[dict], tools: list[dict]) -> list[dict]:
+  """`messages` with the tool block appended to the system message (or as a new one)."""
+  block = tool_instructions(tools)
+  if messages and messages[0].get("role") == "system":
+    first = dict(messages[0], content=messages[0]["content"] + "\n\n" + block)
+    return [first] + list(messages[1:])
+  return [{"role": "system", "content": block}] + list(messages)
 
 
 class PromptBatcher:

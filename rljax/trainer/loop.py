@@ -101,7 +101,7 @@ class Trainer:
         model=self.policy.config, sampling=self.sp, loss=self.loss_cfg, prompts=t.prompts_per_step,
         mini_batches=t.mini_batches, epochs=t.epochs, micro_batches=t.micro_batches,
         eos_ids=self.sp.stop_token_ids, oversample=self.oversample,
-        recompute_old_logprobs=config_lib.max_staleness(config) > 0)
+        recompute_old_logprobs=config_lib.recompute_old_logprobs(config))
     self.batch_rows = t.prompts_per_step * self.oversample    # prompts sampled per step, all processes
     self.total_updates = max(t.steps * t.mini_batches * t.epochs, 1)
     self.optimizer, self.schedule = make_optimizer(config.optim, self.total_updates)
