@@ -231,6 +231,34 @@ def test_sampled_frequencies_match_truncated_distribution(top_k, top_p, min_p):
   np.testing.assert_allclose(np.asarray(ent), -(np.exp(full) * full).sum(), atol=1e-5)
 
 
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_two_level_draw_matches_the_distribution(top_k):
+  """Vocabularies wider than two draw blocks take the block-then-token path: 1,300 logits (not a
+  multiple of the block), mass spread over many blocks. 40,000 draws; the counts of the 30 most
+  likely tokens and of the rest pooled fit the distribution (chi-square p > 1e-3, seed fixed)."""
+  v = 1300
+  assert v > 2 * sampling._DRAW_BLOCK and v % sampling._DRAW_BLOCK
+  logits = jnp.asarray(np.random.default_rng(3).normal(0, 2.0, v), jnp.float32)
+  sp = SamplingParams(1, 1, top_k=top_k)
+  n = 40_000
+  tokens, _, _ = jax.jit(sample_logits, static_argnums=1)(jnp.tile(logits, (n, 1)), sp, jax.random.key(5))
+  scaled = np.asarray(logits, np.float64)
+  keep = _reference_keep(scaled, top_k, 1.0, 0.0)
+  probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+  probs /= probs.sum()
+  counts = np.bincount(np.asarray(tokens), minlength=v)
+  assert counts[~keep].sum() == 0
+  top = np.argsort(-probs)[:30]
+  rest = np.setdiff1d(np.flatnonzero(keep), top)
+  assert probs[rest].sum() > 0.05 or top_k, "the pooled tail must carry mass to test the block draw"
+  cells_c = np.append(counts[top], counts[rest].sum())
+  cells_p = np.append(probs[top], probs[rest].sum())
+  if top_k:   # every kept token is among the top 40: no pooled cell
+    cells_c, cells_p = counts[np.flatnonzero(keep)], probs[np.flatnonzero(keep)]
+  assert _chi_square_pvalue(cells_c, cells_p) > 1e-3
+  assert len(np.unique(np.asarray(tokens) // sampling._DRAW_BLOCK)) > 3     # draws land in many blocks
+
+
 def test_sampler_frequencies_end_to_end(models):
   """The whole sampler (prefill, fan-out) draws the first token from the top-p distribution."""
   _, config, params = models["qwen2"]
