@@ -15,9 +15,10 @@ import ml_collections
 from rljax.errors import ConfigError
 
 SCHEDULES = ("constant", "cosine", "linear")
-ROLLOUT_MODES = ("fused", "pipelined", "async")
+ROLLOUT_MODES = ("fused", "pipelined", "async", "partial")
 PROXIMAL = ("recompute", "sampler")   # the off-policy modes' lp_old (docs/rollouts.md)
 ASYNC_ONLY = ("generator_devices", "sync_every", "queue_size")   # rollout fields only the async mode reads
+PARTIAL_ONLY = ("oversample",)                                    # rollout fields only the partial mode reads
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -49,7 +50,8 @@ def base_config() -> ml_collections.ConfigDict:
       max_new_tokens=128,
       temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
       ignore_eos=False,               # generate max_new_tokens in every row (benchmarks; vLLM's ignore_eos)
-  ))
+      stop_token_ids=[],              # extra ids that end a completion, besides the tokenizer's stop tokens
+  ), type_safe=False)
   # A preset plus every LossConfig field; None keeps the preset's value (docs/loss.md).
   from rljax.rl.config import LossConfig
   c.rl = ml_collections.ConfigDict(
@@ -81,6 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
       generator_devices=0,            # async: devices of the generator part of the mesh (0 = half)
       sync_every=1,                   # async: publish parameters to the generators every N updates
       queue_size=2,                   # async: scored batches waiting for the learner
+      oversample=2,                   # partial: prompt groups in generation per group trained
   ))
   # Multi-turn tool use (docs/tools.md): the model calls tools mid-generation, the host answers.
   c.tools = ml_collections.ConfigDict(dict(
@@ -129,6 +132,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(
         f"config.train.prompts_per_step={t.prompts_per_step} must be divisible by train.mini_batches * "
         f"train.micro_batches = {t.mini_batches * t.micro_batches} (batches are split by whole prompt groups).")
+  ids = s.stop_token_ids
+  if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                   for i in ids):
+    raise ConfigError(f"config.sampling.stop_token_ids={ids!r} must be a list of non-negative token ids.")
   if s.temperature < 0:
     raise ConfigError(f"config.sampling.temperature={s.temperature} must be >= 0 (0 means greedy).")
   if not 0.0 < s.top_p <= 1.0:
@@ -173,8 +180,24 @@ def _validate_rollout(c: ml_collections.ConfigDict) -> None:
   if r.mode == "pipelined" and r.max_staleness > 1:
     raise ConfigError(f"config.rollout.max_staleness={r.max_staleness}: the pipelined mode runs at most one "
                       "step off-policy (0 or 1); use rollout.mode='async' for more.")
+  defaults = base_config().rollout
+  if r.mode != "partial":
+    for name in PARTIAL_ONLY:
+      if r[name] != defaults[name]:
+        raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode='partial' "
+                          f"(got {r.mode!r}): set rollout.mode='partial' or leave it at {defaults[name]}.")
+  else:
+    _positive(c, "rollout.oversample", r.oversample)
+    if r.oversample < 2:
+      raise ConfigError(f"config.rollout.oversample={r.oversample}: the partial mode generates more groups than it "
+                        "trains on (>= 2); with 1 use rollout.mode='pipelined'.")
+    if c.train.dynamic_sampling:
+      raise ConfigError("config.train.dynamic_sampling with rollout.mode='partial': both choose which groups to "
+                        "train on; use one of them.")
+    if c.sampling.ignore_eos:
+      raise ConfigError("config.sampling.ignore_eos with rollout.mode='partial': every completion would run to "
+                        "max_new_tokens, so there is nothing to carry over; set ignore_eos=False.")
   if r.mode != "async":
-    defaults = base_config().rollout
     for name in ASYNC_ONLY:
       if r[name] != defaults[name]:
         raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode='async' "

@@ -215,7 +215,10 @@ def test_update_trains_on_model_tokens_and_recomputes_sampler_logprobs(policy, r
 
 
 def test_trainer_runs_multi_turn_steps(tmp_path):
-  """Plumbing: the trainer with tools enabled runs steps (tiny random model, python format)."""
+  """The trainer's multi-turn step end to end (tiny random model, python format): the engine is
+  given a script so that rows 0 and 2 run a code cell; the per-trajectory `tool_use` component
+  sees their calls, and the update trains on the trajectories."""
+  import types
   from rljax.configs import retool_tiny
   from rljax.trainer.loop import Trainer
   c = retool_tiny.get_config()
@@ -227,16 +230,30 @@ def test_trainer_runs_multi_turn_steps(tmp_path):
   c.tools.segment_tokens = 16
   c.train.prompts_per_step = 2
   c.sampling.num_samples = 2
+  c.rewards.components = [dict(name="correct", verifier="arithmetic", weight=1.0),
+                          dict(name="tools", verifier="tool_use", weight=0.5, kwargs=dict(per_call=1.0))]
   c.output.dir = str(tmp_path)
   c.output.progress = False
   c.output.tensorboard = False
   trainer = Trainer(c)
   try:
+    engine = trainer.rollouts.engine
+    scripted = ToolRollout(engine.config, engine.tokenizer, engine.runner, engine.sp,
+                           dataclasses.replace(engine.tp, forced_width=16), fmt="python", eos_ids=engine.stop_ids)
+    cell = trainer.tokenizer.encode("```python\nprint(6*7)\n```")
+    script = lambda row, turn: cell if row % 2 == 0 and turn == 0 else None
+    trainer.rollouts.engine = types.SimpleNamespace(run=lambda *a: scripted.run(*a, script=script))
     m = trainer.run_step()
+    traj = trainer.rollouts.last_traj
   finally:
     trainer.close()
-  assert np.isfinite(m["loss"]) and m["tools/segments"] >= 3
-  assert {"tools/calls", "tools/errors", "tools/latency_s", "tools/turns_mean"} <= set(m)
+  assert traj.turns.tolist() == [1, 0, 1, 0]
+  text = trainer.tokenizer.decode(traj.tokens[0, :traj.lengths[0]].tolist())
+  assert "<interpreter>\n42\n</interpreter>" in text
+  assert m["tools/calls"] == 2.0 and m["tools/errors"] == 0.0
+  assert m["reward/tools_mean"] == pytest.approx(0.5)      # 2 of 4 trajectories made one call
+  assert np.isfinite(m["loss"]) and m["tools/segments"] >= 2
+  assert m["response_length_mean"] < traj.lengths.mean()   # the loss counts model tokens only
 
 
 def test_tools_config_errors():

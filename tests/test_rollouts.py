@@ -173,3 +173,52 @@ def test_async_pool_crash_loses_no_batches(tmp_path, verifier_module):
 def test_bad_rollout_config_is_rejected(tmp_path, overrides, match):
   with pytest.raises(ConfigError, match=match):
     Trainer(smoke(tmp_path, *overrides))
+
+
+# ---- partial rollouts ------------------------------------------------------------------------
+
+STOPS = list(range(100, 2600))   # ~5% of SmolLM2's vocabulary: a random model's completions end at geometric lengths
+
+
+def partial(tmp_path, *overrides):
+  cfg = smoke(tmp_path, "rollout.mode='partial'", "sampling.max_new_tokens=32", "train.prompts_per_step=4",
+              "sampling.num_samples=4", "output.tensorboard=False", *overrides)
+  cfg.sampling.stop_token_ids = STOPS
+  return cfg
+
+
+def test_partial_rollouts_carry_unfinished_groups(tmp_path):
+  """Rounds end once P of the 2P groups have finished: unfinished groups are carried and trained
+  later (rounds_mean > 1), never past the staleness bound; the carried tokens and log-probs are
+  consistent with the learner's forward (lp_old recomputed with parameters that barely moved
+  equals them), so resuming from the prefix lost nothing."""
+  got, _, trainer = run_steps(partial(tmp_path, "train.steps=5", "optim.learning_rate=1e-9"), 5)
+  counts = trainer.rollouts.counts
+  assert counts["groups_carried"] > 0 and counts["batches_trained"] == 5 and counts["groups_trained"] == 20
+  assert max(m["rollout/rounds_mean"] for m in got) > 1
+  assert all(m["rollout/staleness"] <= 1 for m in got)
+  assert all(m["rollout/decode_steps"] <= 32 for m in got)
+  carried = [m for m in got if m["rollout/rounds_mean"] > 1]
+  for m in carried:
+    assert m["sampler_logprob_diff_max"] < 1e-4, m["sampler_logprob_diff_max"]
+  assert all(np.isfinite(m["loss"]) for m in got)
+
+
+def test_partial_rollouts_drop_groups_past_the_staleness_bound(tmp_path):
+  """With max_staleness=0 nothing may be trained off-policy: every carried group is dropped."""
+  got, _, trainer = run_steps(partial(tmp_path, "rollout.max_staleness=0", "train.steps=4"), 4)
+  assert trainer.rollouts.counts["groups_dropped"] > 0
+  assert all(m["rollout/staleness"] == 0 and m["rollout/rounds_mean"] == 1 for m in got)
+  assert not trainer.spec.recompute_old_logprobs
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (("rollout.mode='partial'", "rollout.oversample=1"), ">= 2"),
+    (("rollout.oversample=3",), "only applies to rollout.mode='partial'"),
+    (("rollout.mode='partial'", "train.dynamic_sampling=True"), "dynamic_sampling"),
+    (("rollout.mode='partial'", "sampling.ignore_eos=True"), "ignore_eos"),
+    (("sampling.stop_token_ids=[-1]",), "stop_token_ids"),
+])
+def test_bad_partial_config_is_rejected(tmp_path, overrides, match):
+  with pytest.raises(ConfigError, match=match):
+    Trainer(smoke(tmp_path, *overrides))

@@ -69,7 +69,8 @@ def sampling_params(cfg, tokenizer, *, greedy=False, max_new_tokens=None, num_sa
   return SamplingParams(
       num_samples=num_samples or s.num_samples, max_new_tokens=max_new_tokens or s.max_new_tokens,
       temperature=temp if temp > 0 else 1.0, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-      greedy=greedy or temp == 0, stop_token_ids=tuple(sorted(set(tokenizer.stop_ids))) if stops else ())
+      greedy=greedy or temp == 0,
+      stop_token_ids=tuple(sorted(set(tokenizer.stop_ids) | {int(i) for i in s.stop_token_ids})) if stops else ())
 
 
 class Trainer:
@@ -200,14 +201,18 @@ class Trainer:
       log.info("resumed from %s at step %d", self.ckpt.directory, self.start_step)
   # ---- the loop ---------------------------------------------------------------------------
 
+  def next_prompts(self):
+    """The next host-side PromptBatch; DataExhausted at the end of a finite dataset."""
+    try:
+      return next(self._batches)
+    except StopIteration:
+      raise DataExhausted("the dataset ran out (config.data.num_epochs reached); "
+                          "raise num_epochs or set it to None to cycle forever.") from None
+
   def next_batch(self, sharding=None):
     """The next prompt batch, as (PromptBatch, ids, mask) with ids/mask [P*O, Lp] on `sharding`."""
     sharding = sharding or self.batch_sharding
-    try:
-      batch = next(self._batches)
-    except StopIteration:
-      raise DataExhausted("the dataset ran out (config.data.num_epochs reached); "
-                            "raise num_epochs or set it to None to cycle forever.") from None
+    batch = self.next_prompts()
     ids = jax.make_array_from_process_local_data(sharding, np.asarray(batch.prompt_ids, np.int32))
     mask = jax.make_array_from_process_local_data(sharding, np.asarray(batch.prompt_mask, bool))
     return batch, ids, mask

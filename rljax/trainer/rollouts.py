@@ -79,6 +79,9 @@ def make_rollouts(trainer):
   if trainer.config.tools.enabled:
     return ToolRollouts(trainer)
   mode = trainer.config.rollout.mode
+  if mode == "partial":
+    from rljax.trainer.partial import PartialRollouts
+    return PartialRollouts(trainer)
   return {"fused": FusedRollouts, "pipelined": PipelinedRollouts, "async": AsyncRollouts}[mode](trainer)
 
 
@@ -397,8 +400,17 @@ class ToolRollouts(PipelinedRollouts):
     self.tool_metrics: dict[str, float] = {}
     self.generate = self._generate
 
+  def draw(self, params, version: int) -> Batch:
+    """Generates a batch; each trajectory's example gains its `tool_calls` and `tool_errors`
+    (for per-trajectory reward components such as the `tool_use` verifier)."""
+    item = super().draw(params, version)
+    traj, g = self.last_traj, self.t.sp.num_samples
+    item.examples = [dict(item.examples[r // g], tool_calls=int(traj.turns[r]), tool_errors=int(traj.tool_errors[r]))
+                     for r in range(len(traj.turns))]
+    return item
+
   def _generate(self, params, key, prompt_ids, prompt_mask) -> dict:
-    traj = self.engine.run(params, prompt_ids, prompt_mask, key)
+    traj = self.last_traj = self.engine.run(params, prompt_ids, prompt_mask, key)
     self.tool_metrics = dict(traj.metrics)
     fan = lambda x: jax.numpy.repeat(x, self.t.sp.num_samples, axis=0)
     rollout = dict(traj.device, prompt_ids=fan(prompt_ids), prompt_mask=fan(prompt_mask))

@@ -10,6 +10,7 @@
   similarity  normalised string similarity to the reference
   overlong    DAPO soft overlong punishment (token counts)
   majority    group-aware consensus with the other completions of the prompt
+  tool_use    per-trajectory tool-call counts and errors (multi-turn tool use)
 """
 from rljax.rewards.verifiers import (arith, choice, code_exec, fmt, gsm8k, majority, math_answer,  # noqa: F401
-                                     overlong, similarity)
+                                     overlong, similarity, tool_use)
