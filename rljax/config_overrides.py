@@ -58,6 +58,8 @@ def _coerce(path: str, old: Any, new: Any) -> Any:
     return type(old)(new)
   if isinstance(old, (int, float)) and isinstance(new, (int, float)) and not isinstance(new, bool):
     return new
+  if isinstance(old, (dict, ml_collections.ConfigDict)) and not len(old) and isinstance(new, dict):
+    return new   # a free-form mapping field (empty by default), e.g. tools.kwargs
   raise ConfigError(f"--config.{path}={new!r} has type {type(new).__name__}, but the field holds a "
                     f"{type(old).__name__} ({old!r}).")
 

@@ -74,3 +74,12 @@ def test_missing_config_file():
 def test_every_recipe_validates(name):
   cfg = load_config_file(os.path.join(CONFIGS, name))
   config_lib.validate(cfg)
+
+
+def test_free_form_mapping_and_list_overrides():
+  """Empty mapping fields (tools.kwargs) take a dict; structured sections never do."""
+  cfg = _cfg('tools.kwargs={"search": {"corpus_path": "docs.jsonl"}}', "sampling.stop_token_ids=[13, 198]")
+  assert cfg.tools.kwargs.to_dict() == {"search": {"corpus_path": "docs.jsonl"}}
+  assert list(cfg.sampling.stop_token_ids) == [13, 198]
+  with pytest.raises(ConfigError, match="model"):
+    _cfg('model={"path": "x"}')

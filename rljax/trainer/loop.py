@@ -125,7 +125,8 @@ class Trainer:
       return
     from rljax.tools import ToolRunner
     self.tool_runner = ToolRunner(list(tl.names), timeout_s=tl.timeout_s, num_workers=tl.num_workers,
-                                  max_memory_mb=tl.max_memory_mb, tool_kwargs=dict(tl.kwargs or {}))
+                                  max_memory_mb=tl.max_memory_mb,
+                                  tool_kwargs=tl.kwargs.to_dict() if hasattr(tl.kwargs, "to_dict") else dict(tl.kwargs))
     if tl.format == "hermes":
       self.prompt_tools = self.tool_runner.schemas()
 
