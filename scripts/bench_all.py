@@ -21,7 +21,7 @@ sys.path.insert(0, HERE)
 from benchlib import Result, machine, markdown  # noqa: E402
 
 BENCHMARKS = ("bench_forward.py", "bench_generate.py", "bench_rewards.py", "bench_logprobs_memory.py",
-              "bench_rollouts.py", "bench_multiturn.py", "bench_step.py")
+              "bench_rollouts.py", "bench_partial.py", "bench_multiturn.py", "bench_step.py")
 
 
 def main(argv=None) -> int:
