@@ -433,7 +433,7 @@ class ToolRollout:
       if not paused.any():
         continue          # the segment hit its step limit: decode on
       # Parse and run the calls of the paused rows.
-      from rljax.tools import ToolCall, parse_tool_call
+      from rljax.tools import parse_tool_call
       finish = np.zeros(b, bool)
       calls: list[tuple[int, Any]] = []
       for r in np.flatnonzero(paused & live):
