@@ -24,6 +24,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 from rljax.errors import ConfigError
+from rljax.imports import import_object
 
 KINDS = ("item", "group", "batch")
 _ATTR = "__rljax_verifier__"
@@ -156,17 +157,7 @@ def get_verifier(ref: str | Callable[..., Any]) -> Verifier:
   if not isinstance(ref, str) or not ref:
     raise ConfigError(f"verifier must be a registered name, 'module:function' or a callable, got {ref!r}.")
   if ":" in ref:
-    module_name, _, attr = ref.partition(":")
-    try:
-      obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-      raise ConfigError(f"verifier '{ref}': cannot import module '{module_name}' ({e}).") from e
-    for part in attr.split("."):
-      if not hasattr(obj, part):
-        raise ConfigError(f"verifier '{ref}': module '{module_name}' has no attribute '{attr}'.")
-      obj = getattr(obj, part)
-    if not callable(obj):
-      raise ConfigError(f"verifier '{ref}' is not callable.")
+    obj = import_object(ref, "verifier")
     return _from_callable(ref, obj)
   with _LOCK:
     v = _REGISTRY.get(ref)

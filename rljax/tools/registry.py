@@ -30,6 +30,7 @@ import typing
 from typing import Any, Callable, Mapping
 
 from rljax.errors import ConfigError
+from rljax.imports import import_object
 
 _ATTR = "__rljax_tool__"
 # Parameters that are never model arguments: filled in by the executor.
@@ -191,18 +192,7 @@ def get_tool(ref: str | Tool | Callable[..., Any]) -> Tool:
   if not isinstance(ref, str) or not ref:
     raise ConfigError(f"a tool must be a registered name, 'package.module:function' or a function, got {ref!r}.")
   if ":" in ref:
-    module_name, _, attr = ref.partition(":")
-    try:
-      obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-      raise ConfigError(f"tool '{ref}': cannot import module '{module_name}' ({e}); check the path and that "
-                        "the module is importable (on sys.path).") from e
-    for part in attr.split("."):
-      if not hasattr(obj, part):
-        raise ConfigError(f"tool '{ref}': module '{module_name}' has no attribute '{attr}'.")
-      obj = getattr(obj, part)
-    if not callable(obj):
-      raise ConfigError(f"tool '{ref}' is not callable.")
+    obj = import_object(ref, "tool")
     return getattr(obj, _ATTR, None) or tool_from_function(obj)
   with _LOCK:
     tool = _REGISTRY.get(ref)
