@@ -397,8 +397,8 @@ class ToolRollout:
         forced[r, :len(ids)], forced_len[r] = ids, len(ids)
     return jnp.asarray(forced), jnp.asarray(forced_len)
 
-  def run(self, params, prompt_ids, prompt_mask, rng, *, script: Callable[[int, int], Sequence[int] | None] | None = None,
-          histories: bool = True) -> Trajectories:
+  def run(self, params, prompt_ids, prompt_mask, rng, *,
+          script: Callable[[int, int], Sequence[int] | None] | None = None) -> Trajectories:
     """B = P * G trajectories for prompts [P, Lp] (left-padded, mask [P, Lp]); rng a PRNG key.
 
     script(row, turn) -> token ids or None: tokens the row must emit at the start of model turn
@@ -419,19 +419,18 @@ class ToolRollout:
     turn_start = np.zeros(b, np.int64)
     forced = self._forced(script, range(b), turn) if tp.forced_width else (None, None)
     state = start(c, sp, tp, self.stop_ids, params, prompt_ids, prompt_mask, rng, *forced)
-    counts = {"segments": 0, "feeds": 0, "tool_calls": 0, "tool_errors": 0, "tool_seconds": 0.0,
-              "false_triggers": 0}
+    counts = {"segments": 0, "feeds": 0, "tool_calls": 0, "tool_errors": 0, "false_triggers": 0}
     tool_s = 0.0
     while True:
       state = segment(c, sp, tp, self.stop_ids, params, state, rng)
       counts["segments"] += 1
-      tok, n, done, paused, index = jax.device_get((state["tok"], state["n"], state["done"], state["paused"],
-                                                    state["index"]))
+      n, done, paused, index = jax.device_get((state["n"], state["done"], state["paused"], state["index"]))
       live = ~done
       if not live.any() or index >= state["kv_mask"].shape[1]:
         break
       if not paused.any():
         continue          # the segment hit its step limit: decode on
+      tok = np.asarray(jax.device_get(state["tok"]))   # the host needs the paused rows' text
       # Parse and run the calls of the paused rows.
       from rljax.tools import parse_tool_call
       finish = np.zeros(b, bool)
@@ -446,11 +445,10 @@ class ToolRollout:
           finish[r], ended[r] = True, True
           continue
         calls.append((r, call))
-      responses: dict[int, list[int]] = {}
+      responses: dict[int, list[int]] = {}   # rows starting a new model turn -> their tool response
       if calls:
         ts = time.perf_counter()
-        obs = self.runner.run([call for _, call in calls],
-                              [history[r] for r, _ in calls] if histories else None)
+        obs = self.runner.run([call for _, call in calls], [history[r] for r, _ in calls])
         tool_s += time.perf_counter() - ts
         for (r, call), o in zip(calls, obs):
           turn[r] += 1
@@ -459,30 +457,25 @@ class ToolRollout:
           counts["tool_errors"] += bool(o.error)
           if call.name == "python" and not call.error and not o.error:   # a cell that timed out is not replayed
             history[r].append(call.arguments.get("code", ""))
-          responses[r] = self._response_ids(self._clip(o.text))
-      # Feed: pending token + response for every live row.
+          room = sp.max_new_tokens - int(n[r]) - 1        # keep a token for the model to answer
+          responses[r] = self._response_ids(self._clip(o.text))[:max(room, 0)]
+      # Feed: every live row its pending token, and the rows with a response that too.
+      fed = np.flatnonzero(live & ~finish)
       lengths = np.zeros(b, np.int32)
-      rows_fed = [r for r in np.flatnonzero(live & ~finish)]
-      for r in rows_fed:
-        room = sp.max_new_tokens - int(n[r]) - 1        # keep a token for the model to answer
-        resp = responses.get(r, [])
-        if len(resp) > room:
-          resp = resp[:max(room, 0)]
-        responses[r] = resp
-        lengths[r] = 1 + len(resp)
-      width = max(int(lengths.max()), 1)
-      width = -(-width // FEED_BUCKET) * FEED_BUCKET
+      lengths[fed] = 1
+      for r, resp in responses.items():
+        lengths[r] += len(resp)
+      width = -(-max(int(lengths.max()), 1) // FEED_BUCKET) * FEED_BUCKET
       feed_tok = np.zeros((b, width), np.int32)
-      for r in rows_fed:
-        feed_tok[r, 0] = tok[r, n[r] - 1]
-        feed_tok[r, 1:lengths[r]] = responses[r]
+      feed_tok[fed, 0] = tok[fed, n[fed] - 1]
+      for r, resp in responses.items():
+        feed_tok[r, 1:1 + len(resp)] = resp
+        turn_start[r] = n[r] + len(resp)
       next_forced = (None, None, None)
       if tp.forced_width:
         new_turn = np.zeros(b, bool)
         new_turn[list(responses)] = True
         next_forced = self._forced(script, list(responses), turn) + (jnp.asarray(new_turn),)
-      for r in responses:
-        turn_start[r] = n[r] + len(responses[r])
       if self.resume == "cache":
         state = feed(c, sp, tp, self.stop_ids, params, state, rng, jnp.asarray(feed_tok), jnp.asarray(lengths),
                      jnp.asarray(finish), *next_forced)

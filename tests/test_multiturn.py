@@ -136,6 +136,27 @@ def test_rows_without_tools_match_the_single_turn_sampler(policy, runner):
     np.testing.assert_allclose(traj.logprobs[r, :n], np.asarray(ref.logprobs)[r, :n], atol=PARITY_TOL)
 
 
+def test_call_spanning_another_rows_feed_round(policy, runner):
+  """Row 1 is in the middle of its call's JSON when row 0's tool answer is fed (a round in which
+  row 1 only feeds its pending token): its turn still starts where it started, so its call parses."""
+  tok = policy.tokenizer
+  ids, mask = _prompts(tok, ["Compute 2+3.", "Add 1 to 30."])
+  short = _call(tok, '{"name": "calculator", "arguments": {"expression": "2+3"}}')
+  expression = "+".join(str(i) for i in range(1, 31))      # sums to 465
+  long = _call(tok, '{"name": "calculator", "arguments": {"expression": "%s"}}' % expression)
+  assert len(long) > len(short) + 16
+  engine = _engine(policy, runner, g=1, t=160, forced_width=len(long))
+  traj = engine.run(policy.params, ids, mask, jax.random.key(2),
+                    script=lambda r, t: (short, long)[r] if t == 0 else None)
+  assert traj.turns.tolist() == [1, 1] and traj.tool_errors.tolist() == [0, 0]
+  assert traj.metrics["tools/false_triggers"] == 0 and traj.metrics["tools/feeds"] >= 2
+  prefix, suffix = engine.wrap
+  resp = tok.encode(prefix + "465" + suffix)
+  # The call went out exactly as scripted (its forcing was not restarted by row 0's round) and
+  # the answer follows it.
+  assert traj.tokens[1, :len(long) + len(resp)].tolist() == long + resp
+
+
 def test_hostile_calls_become_error_observations(policy, runner):
   tok = policy.tokenizer
   ids, mask = _prompts(tok, ["a", "b", "c", "d"])
