@@ -51,16 +51,20 @@ class PromptBatch:
     return self.prompt_mask.sum(axis=1).astype(np.int32)
 
 
-def render_prompt(example: Example, tokenizer: Any, chat_template: bool, tools: list[dict] | None = None) -> str:
+def render_prompt(example: Example, tokenizer: Any, chat_template: bool, tools: list[dict] | None = None, *,
+                  tools_in_template: bool | None = None) -> str:
   """The prompt text the model sees: the chat template applied to the messages, or
   (chat_template=False) the system prompt and prompt joined by a blank line.
 
   With `tools` (schemas, {"type": "function", "function": {...}}): templates that render tools
   themselves (Qwen, Llama 3) get them as `tools=`; for the others (SmolLM2) and without a chat
   template, a Hermes-style tool block (`tool_instructions`) is added to the system prompt.
+  `tools_in_template`: `template_renders_tools(tokenizer)` when the caller already knows it.
   """
   messages = example["prompt_messages"]
-  if tools and not (chat_template and template_renders_tools(tokenizer)):
+  if tools and tools_in_template is None:
+    tools_in_template = chat_template and template_renders_tools(tokenizer)
+  if tools and not (chat_template and tools_in_template):
     messages = with_tool_instructions(messages, tools)
     tools = None
   if chat_template:
@@ -142,6 +146,7 @@ class PromptBatcher:
     self._seen: set[str] | None = set() if distinct else None
     self._chat_template = cfg["chat_template"]
     self._tools = list(tools) if tools else None
+    self._tools_in_template = bool(self._tools and self._chat_template and template_renders_tools(tokenizer))
     self._position = 0
     self._stats = {"rows_read": 0, "examples": 0, "batches": 0, "malformed": 0, "filtered_too_long": 0}
 
@@ -212,7 +217,8 @@ class PromptBatcher:
         if self._stats["malformed"] <= _MAX_LOGGED_SKIPS:
           log.warning("skipping malformed row %s: %s", item.where, item.reason)
       else:
-        text = render_prompt(item, self.tokenizer, self._chat_template, self._tools)
+        text = render_prompt(item, self.tokenizer, self._chat_template, self._tools,
+                             tools_in_template=self._tools_in_template)
         if self._seen is not None and text in self._seen:
           self._count("duplicates", item["source"])
           duplicates += 1

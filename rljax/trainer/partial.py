@@ -5,7 +5,9 @@ Generation runs on a pool of P * oversample prompt groups (G rows each) in compi
 those P groups (oldest first) are scored and trained on, and the unfinished groups are carried
 into the next round with their tokens and behaviour log-probs. Fresh prompts refill the pool.
 
-A carried group resumes from its prefix: the next round prefills prompt + generated tokens
+Every row of the pool is prefilled at the start of a round (new groups too: G rows of one prompt
+are prefilled G times here, unlike the fused sampler, because carried rows have their own
+prefixes). A carried group resumes from its prefix: the next round prefills prompt + generated tokens
 (`multiturn.reprefill`) under the newer parameters and decodes on, so a trajectory mixes policy
 versions token by token. The update corrects for it like the other off-policy modes: lp_old is
 recomputed (or, with rollout.proximal='sampler', the sampler's) and each token's truncated IS

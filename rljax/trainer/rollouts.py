@@ -134,7 +134,7 @@ class FusedRollouts:
 class _Decoupled:
   """What the pipelined and async modes share: the two jitted halves and host-side scoring."""
 
-  def __init__(self, trainer, generator_mesh=None):
+  def __init__(self, trainer, generator_mesh=None, generate=None):
     self.t = trainer
     c = trainer.config
     self.max_staleness = config_lib.max_staleness(c)
@@ -147,11 +147,13 @@ class _Decoupled:
     self.generator_mesh = generator_mesh or trainer.mesh
     self.gen_batch_sharding = shd.batch_sharding(self.generator_mesh, 2, trainer.batch_rows)
     # Every rollout array is sharded by rows; unconstrained, XLA may leave them (and the work
-    # producing them) on one device.
-    generate = make_generate_fn(trainer.spec)
-    prompts = lambda dtype: jax.ShapeDtypeStruct((trainer.batch_rows, 1), dtype)   # any width: same ranks
-    shapes = jax.eval_shape(generate, trainer.state.params, jax.random.key(0), prompts(np.int32), prompts(bool))
-    self.generate = jax.jit(generate, out_shardings=by_rows(self.generator_mesh, shapes))
+    # producing them) on one device. `generate` replaces the compiled sampler (multi-turn rollouts).
+    self.generate = generate
+    if generate is None:
+      generate = make_generate_fn(trainer.spec)
+      prompts = lambda dtype: jax.ShapeDtypeStruct((trainer.batch_rows, 1), dtype)   # any width: same ranks
+      shapes = jax.eval_shape(generate, trainer.state.params, jax.random.key(0), prompts(np.int32), prompts(bool))
+      self.generate = jax.jit(generate, out_shardings=by_rows(self.generator_mesh, shapes))
     update = make_update_fn(trainer.spec, trainer.optimizer, trainer.schedule, advance_rng=True)
     self.update = jax.jit(update, donate_argnums=(0,), out_shardings=(trainer.state_shardings, None))
     self.idle = {"generator": 0.0, "scorer": 0.0, "learner": 0.0}
@@ -231,8 +233,8 @@ class PipelinedRollouts(_Decoupled):
   before the host starts scoring k; the update of k is queued behind it.
   """
 
-  def __init__(self, trainer):
-    super().__init__(trainer)
+  def __init__(self, trainer, generate=None):
+    super().__init__(trainer, generate=generate)
     self.pending: Batch | None = None
 
   def step(self) -> dict[str, float]:
@@ -395,10 +397,10 @@ class ToolRollouts(PipelinedRollouts):
   """
 
   def __init__(self, trainer):
-    super().__init__(trainer)    # max_staleness is 0 (config: tools need rollout.mode='fused')
+    # max_staleness is 0 (config: tools need rollout.mode='fused')
+    super().__init__(trainer, generate=self._generate)
     self.engine = trainer.tool_rollout(trainer.sp)
     self.tool_metrics: dict[str, float] = {}
-    self.generate = self._generate
 
   def draw(self, params, version: int) -> Batch:
     """Generates a batch; each trajectory's example gains its `tool_calls` and `tool_errors`
