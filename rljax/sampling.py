@@ -371,14 +371,20 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   prompt_mask = rows(jnp.asarray(prompt_mask, bool))
   prompt_len = jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32)  # [P]
 
-  # 1. Prefill, once per prompt, through the learner's forward, into the first segment's cache.
-  cache, logits = prefill(config, params, prompt_ids, prompt_mask, width + segment_ends(t_new)[0], constrain)
+  # 1. Prefill, once per prompt, through the learner's forward. Its cache is the prompt cache
+  # that the G rows of the prompt share (read-only) while decoding.
+  cache, logits = prefill(config, params, prompt_ids, prompt_mask, width, constrain)
+  prefix = (tuple(layer_k(cache.k[i]) for i in range(config.num_layers)),
+            tuple(layer_v(cache.v[i]) for i in range(config.num_layers)), rows(cache.kv_mask))
 
-  # 2. Fan out to G rows per prompt; the decode loop keeps one cache array per layer.
+  # 2. Fan out the first-token logits to G rows per prompt; each row gets its own completion
+  # cache (one array per layer), sized to the first segment.
   fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis, total_repeat_length=x.shape[axis] * g)
-  ks = tuple(layer_k(fan(cache.k[i])) for i in range(config.num_layers))
-  vs = tuple(layer_v(fan(cache.v[i])) for i in range(config.num_layers))
-  kv_mask = rows(fan(cache.kv_mask))
+  first = segment_ends(t_new)[0]
+  kh, dh, dtype = config.num_kv_heads, config.head_dim, config.compute_dtype
+  ks = tuple(layer_k(jnp.zeros((b, kh, dh, first), dtype)) for _ in range(config.num_layers))
+  vs = tuple(layer_v(jnp.zeros((b, kh, first, dh), dtype)) for _ in range(config.num_layers))
+  kv_mask = rows(jnp.zeros((b, first), bool))
   logits = rows(fan(logits))
   prompt_len = fan(prompt_len)
   active = rows(prompt_len > 0)
@@ -413,7 +419,7 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
     t, tok, ks, vs, kv_mask, state = carry
     done = state[4]
     logits, ks, vs, kv_mask = decode_step(config, params, layer_params, tok, prompt_len + t - 1, ~done, ks, vs,
-                                          kv_mask, width + t - 1)
+                                          kv_mask, t - 1, prefix)
     state, tok = choose(state, rows(logits), t)
     return (t + 1, tok, tuple(map(layer_k, ks)), tuple(map(layer_v, vs)), rows(kv_mask), state)
 
@@ -467,12 +473,15 @@ def _split_layers(stacked, num_layers: int) -> list:
   return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(num_layers)]
 
 
-def decode_step(config: ModelConfig, params, layer_params, tokens, positions, token_mask, ks, vs, kv_mask, index):
+def decode_step(config: ModelConfig, params, layer_params, tokens, positions, token_mask, ks, vs, kv_mask, index,
+                prefix=None):
   """One new token per row through the model, the layers unrolled over per-layer caches.
 
   tokens, positions: [B] int32; token_mask: [B] bool; ks: L arrays [B, K, Dh, S]; vs: L arrays
-  [B, K, S, Dh]; kv_mask: [B, S] bool; index: [] int32, the slot to write. Returns logits
-  [B, V] float32 and the updated ks, vs, kv_mask.
+  [B, K, S, Dh]; kv_mask: [B, S] bool; index: [] int32, the slot to write. prefix: None, or a
+  read-only cache shared by each group of B / P consecutive rows and attended before their own:
+  (L arrays [P, K, Dh, Sp], L arrays [P, K, Sp, Dh], mask [P, Sp] bool). Returns logits [B, V]
+  float32 and the updated ks, vs, kv_mask.
 
   This is `Transformer.__call__` with a cache for T = 1, running the same `DecoderLayer` code,
   but with one cache array and one parameter tree per layer instead of the scanned [L, ...]
@@ -480,15 +489,17 @@ def decode_step(config: ModelConfig, params, layer_params, tokens, positions, to
   step, and decoding is bound by reading exactly those (2-3x slower per step, measured).
   """
   hidden, ks, vs, kv_mask = forward_cached(config, params, layer_params, tokens[:, None], positions[:, None],
-                                           token_mask[:, None], ks, vs, kv_mask, index)
+                                           token_mask[:, None], ks, vs, kv_mask, index, prefix)
   logits = Transformer(config).apply({"params": params}, hidden[:, 0], method=Transformer.hidden_to_logits)
   return logits, ks, vs, kv_mask
 
 
-def forward_cached(config: ModelConfig, params, layer_params, tokens, positions, token_mask, ks, vs, kv_mask, index):
+def forward_cached(config: ModelConfig, params, layer_params, tokens, positions, token_mask, ks, vs, kv_mask, index,
+                   prefix=None):
   """W new tokens per row written at slots [index, index + W) of per-layer caches.
 
-  tokens, positions: [B, W] int32; token_mask: [B, W] bool; ks, vs, kv_mask as in `decode_step`.
+  tokens, positions: [B, W] int32; token_mask: [B, W] bool; ks, vs, kv_mask, prefix as in
+  `decode_step` (a prefix needs W = 1).
   Token w of a row attends to the slots <= index + w whose kv_mask is set. Returns the
   final-normed hidden states [B, W, D] (compute dtype) and the updated ks, vs, kv_mask.
   """
@@ -501,8 +512,9 @@ def forward_cached(config: ModelConfig, params, layer_params, tokens, positions,
   mask = causal[None] & kv_mask[:, None, :]  # [B, W, S]
   layer = DecoderLayer(c)
   new_ks, new_vs = [], []
-  for p, k, v in zip(layer_params, ks, vs):
-    x, (k, v) = layer.apply({"params": p}, x, (k, v), cos, sin, mask, index)
+  for i, (p, k, v) in enumerate(zip(layer_params, ks, vs)):
+    shared = None if prefix is None else (prefix[0][i], prefix[1][i], prefix[2])
+    x, (k, v) = layer.apply({"params": p}, x, (k, v), cos, sin, mask, index, shared)
     new_ks.append(k)
     new_vs.append(v)
   x = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype).apply({"params": params["final_norm"]}, x)

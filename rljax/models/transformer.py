@@ -107,8 +107,12 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, cos, sin, mask, layer_cache):
-    """x: [B, T, D]; mask: [B, T, S] bool; layer_cache: (k [B, K, Dh, S], v [B, K, S, Dh], index) or None."""
+  def __call__(self, x, cos, sin, mask, layer_cache, prefix=None):
+    """x: [B, T, D]; mask: [B, T, S] bool; layer_cache: (k [B, K, Dh, S], v [B, K, S, Dh], index) or None.
+
+    prefix (decode only, T = 1): a read-only cache shared by groups of B / P consecutive rows,
+    (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp] bool), attended before the row's own cache.
+    """
     c = self.config
     dt, pdt = c.compute_dtype, c.storage_dtype
     init = nn.initializers.normal(0.02)
@@ -144,22 +148,47 @@ class Attention(nn.Module):
       new_cache = (ck, cv)
       kt, vv = ck.astype(dt), cv.astype(dt)
       if t == 1:
-        # Decode: products summed in place read the cache once; batched matmuls with 1-token
-        # operands run far below memory speed on CPU.
-        q1 = qg[:, 0].astype(jnp.float32)  # [B, K, R, Dh]
-        scores = jnp.sum(q1[..., None] * kt[:, :, None].astype(jnp.float32), axis=3)[:, :, None]  # [B, K, 1, R, S]
+        out = _decode_attention(qg[:, 0], kt, vv, mask[:, 0], prefix)[:, None]  # [B, 1, K, R, Dh]
       else:
+        if prefix is not None:
+          raise ValueError("a shared prefix cache is supported for one new token per row only")
         scores = jnp.einsum("btkrd,bkds->bktrs", qg, kt, preferred_element_type=jnp.float32)
-      scores = scores / math.sqrt(dh)
-      scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
-      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-      if t == 1:
-        out = jnp.sum(probs[:, :, 0, :, :, None] * vv[:, :, None], axis=3)[:, None]  # [B, 1, K, R, Dh]
-      else:
+        scores = scores / math.sqrt(dh)
+        scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bktrs,bksd->btkrd", probs, vv)
     out = out.reshape(b, t, h, dh)
     wo = _param(self, "o_kernel", init, (h, dh, d), ("heads", "head_dim", "embed"), pdt)
     return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_cache
+
+
+def _decode_attention(q, k, v, mask, prefix=None):
+  """Attention of one new token per row. q: [B, K, R, Dh]; k: [B, K, Dh, S]; v: [B, K, S, Dh];
+  mask: [B, S] bool; prefix: None or (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp]) shared by
+  the B / P consecutive rows of each group. Returns [B, K, R, Dh].
+
+  A row's own cache is read with products summed in place (one pass over the cache; batched
+  matmuls with R-row operands run far below memory speed on CPU). The shared prefix is read once
+  per group: its queries are the group's G * R rows, a real matmul, instead of G copies of the
+  prompt's keys and values.
+  """
+  b, kh, r, dh = q.shape
+  q32 = q.astype(jnp.float32)
+  scores = jnp.sum(q32[..., None] * k[:, :, None].astype(jnp.float32), axis=3) / math.sqrt(dh)  # [B, K, R, S]
+  scores = jnp.where(mask[:, None, None, :], scores, _MASK_VALUE)
+  if prefix is None:
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.sum(probs[..., None] * v[:, :, None], axis=3)
+  pk, pv, pmask = prefix
+  p, sp = pk.shape[0], pk.shape[-1]
+  g = b // p
+  grouped = lambda x: x.reshape(p, g, kh, r, -1).transpose(0, 2, 1, 3, 4).reshape(p, kh, g * r, x.shape[-1])
+  ungrouped = lambda x: x.reshape(p, kh, g, r, -1).transpose(0, 2, 1, 3, 4).reshape(b, kh, r, x.shape[-1])
+  pscores = jnp.einsum("pkqd,pkds->pkqs", grouped(q32), pk.astype(jnp.float32)) / math.sqrt(dh)  # [P, K, G * R, Sp]
+  pscores = jnp.where(pmask[:, None, None, :], pscores, _MASK_VALUE)
+  probs = jax.nn.softmax(jnp.concatenate([ungrouped(pscores), scores], axis=-1), axis=-1).astype(v.dtype)
+  out = jnp.sum(probs[..., sp:, None] * v[:, :, None], axis=3)
+  return out + ungrouped(jnp.einsum("pkqs,pksd->pkqd", grouped(probs[..., :sp]), pv.astype(v.dtype)))
 
 
 class MLP(nn.Module):
@@ -181,11 +210,11 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, layer_cache, cos, sin, mask, index):
+  def __call__(self, x, layer_cache, cos, sin, mask, index, prefix=None):
     c = self.config
     cache_in = None if layer_cache is None else (layer_cache[0], layer_cache[1], index)
     h = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype, name="input_norm")(x)
-    attn, new_cache = Attention(c, name="attn")(h, cos, sin, mask, cache_in)
+    attn, new_cache = Attention(c, name="attn")(h, cos, sin, mask, cache_in, prefix)
     x = x + attn
     h = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype, name="post_attn_norm")(x)
     x = x + MLP(c, name="mlp")(h)
