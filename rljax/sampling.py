@@ -1,26 +1,27 @@
 """In-graph sampler: one prefill per prompt, G completions per prompt, KV cache, exact log-probs.
 
 Shapes: P = prompts, G = completions per prompt (`num_samples`), B = P * G rows,
-Lp = prompt width, T = `max_new_tokens`, S = Lp + T cache slots, V = vocab.
+Lp = prompt width, T = `max_new_tokens`, V = vocab.
 
 `sample` is a pure function of arrays (jit it with `config` and `sp` static; the trainer calls it
 inside its step); `generate` is the convenience entry point for a `Policy`. The algorithm:
 
-1. Prefill: every prompt runs once through the model, filling a cache of Lp + T1 slots ([P, ...]),
-   T1 the first decode segment's length (`segment_ends`).
-   Prompts may be left-padded (the house convention), right-padded, or have holes: a row's
-   tokens are the entries whose `prompt_mask` is set, positions count only those tokens, and the
-   first new token is predicted from the last real one.
-2. Fan out: the prompt caches and the first-token logits are repeated G times on the batch
-   axis (rows are prompt-major: row r belongs to prompt r // G). Prompts are never repeated
-   before prefill.
-3. Decode: `lax.while_loop`, one token per iteration for all B rows ([B, 1, V] logits), new
-   tokens written at slots Lp, Lp + 1, ... A row stops after emitting any stop id (the EOS ids
-   plus `stop_token_ids`); the loop ends when every row has stopped or T tokens were made.
-   The loop runs the model's own `DecoderLayer` once per layer (`decode_step`) on one cache
-   array per layer, with the stacked layer weights sliced once before the loop. Decoding runs in
-   up to 4 segments (one `while_loop` each); the cache is grown between them, so a step reads
-   Lp + (its segment's end) slots rather than all S: at T = 128, 5/8 of the slots on average.
+1. Prefill: every prompt runs once through the model, filling a prompt cache of Lp slots
+   ([P, ...]). Prompts may be left-padded (the house convention), right-padded, or have holes:
+   a row's tokens are the entries whose `prompt_mask` is set, positions count only those
+   tokens, and the first new token is predicted from the last real one.
+2. Share: the G rows of a prompt (rows are prompt-major: row r belongs to prompt r // G) read
+   that prompt cache, read-only, while decoding; it is never copied per row. Each row gets its
+   own completion cache, and the first-token logits are repeated G times. Prompts are never
+   repeated before prefill.
+3. Decode: `lax.while_loop`, one token per iteration for all B rows ([B, 1, V] logits), token t
+   written at completion slot t - 1. A row attends to its prompt's slots, then its own. A row
+   stops after emitting any stop id (the EOS ids plus `stop_token_ids`); the loop ends when every
+   row has stopped or T tokens were made. The loop runs the model's own `DecoderLayer` once per
+   layer (`decode_step`) on one cache array per layer, with the stacked layer weights sliced
+   once before the loop. Decoding runs in up to 4 segments (one `while_loop` each); the
+   completion cache is grown between them, so a step reads its segment's end slots rather than
+   all T: at T = 128, 5/8 of them on average.
 
 The recorded distribution (what the learner recomputes, verl/TRL convention): with
 `tau = sp.logprob_temperature`, `logp = log_softmax(logits / tau)` over the full vocabulary.
@@ -29,10 +30,11 @@ Top-k / top-p / min-p only restrict which token is drawn; they never change the 
 log-prob, which is the un-truncated log-prob. Greedy decoding takes the argmax of the logits;
 its log-probs are recorded at `tau = temperature`, where temperature 0 means tau = 1.
 
-Memory: the decode cache (compute dtype) is 2 (k and v) * L * P * G * (Lp + T) * K * Dh *
-bytes(dtype), plus the transient prefill cache, 1/G of that. SmolLM2-135M (L=30, K=3, Dh=64) in
-float32 with P=8, G=8, Lp=64, T=128: 2 * 30 * 64 * 192 * 3 * 64 * 4 B = 566 MB. The per-layer
-weight slices are a second copy of the layer weights for the duration of the call.
+Memory: the caches (compute dtype) hold 2 (k and v) * L * K * Dh * (P * Lp + P * G * T) elements:
+the prompt cache once per prompt, the completion cache per row. SmolLM2-135M (L=30, K=3, Dh=64)
+in float32 with P=8, G=8, Lp=64, T=128: 2 * 30 * 3 * 64 * (512 + 8192) * 4 B = 401 MB (a cache of
+Lp + T slots per row would be 566 MB). The per-layer weight slices are a second copy of the layer
+weights for the duration of the call.
 """
 from __future__ import annotations
 
@@ -343,7 +345,8 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   A row whose prompt_mask is all False (an empty prompt) yields an empty completion
   (length 0); `generate` rejects such prompts instead.
 
-  Memory: the KV cache is 2 * L * P * G * (Lp + T) * K * Dh elements of config.dtype.
+  Memory: the KV caches are 2 * L * K * Dh * (P * Lp + P * G * T) elements of config.dtype: each
+  prompt's cache is shared by its G rows, each row caches only its completion.
   Returns a SampleOutput with [P * G, ...] rows, prompt-major.
   """
   sp.validate()

@@ -135,9 +135,9 @@ def main(argv=None):
   print(f"work: {args.prompts} prompts (width {ids.shape[1]}, lengths {min(map(len, prompts))}-"
         f"{max(map(len, prompts))}) x G={args.samples} = {rows} rows x {args.new_tokens} new tokens; "
         f"temperature {sp.temperature}, top_k {sp.top_k}, top_p {sp.top_p}; stop tokens off")
-  slots = ids.shape[1] + args.new_tokens
-  kv_bytes = 2 * cfg.num_layers * rows * slots * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
-  print(f"KV cache: 2 * L * P * G * (Lp + T) * K * Dh * bytes = {kv_bytes / 2**20:.0f} MiB")
+  slots = args.prompts * ids.shape[1] + rows * args.new_tokens
+  kv_bytes = 2 * cfg.num_layers * slots * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+  print(f"KV caches: 2 * L * K * Dh * (P * Lp + P * G * T) * bytes = {kv_bytes / 2**20:.0f} MiB")
 
   peak = measured_matmul_peak(2048, iters=6, reduce=min)
   print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s")

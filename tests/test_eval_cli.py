@@ -57,3 +57,33 @@ def test_eval_every_runs_inside_training_and_reaches_the_metrics(tmp_path):
   ckpt = Checkpointer(summary["checkpoint_dir"])
   assert ckpt.metrics(2)["eval/accuracy"] == pytest.approx(evals[2]["eval/accuracy"])
   assert np.isfinite(evals[4]["eval/accuracy_stderr"])
+
+
+def test_rljax_eval_with_tools_records_calls_per_completion(tmp_path, capsys):
+  """`--tools` runs multi-turn rollouts on the real SmolLM2: each completion's tool calls are
+  recorded and the printed tool figures are the aggregate of the per-example file. (This model
+  seldom calls a tool here; tests/test_multiturn.py scripts calls through the same evaluation.)"""
+  out = tmp_path / "eval.jsonl"
+  rc = eval_main(["--data", "arithmetic", "--difficulty", "2", "--samples", "2", "--temperature", "1.0",
+                  "--num-examples", "4", "--max-new-tokens", "48", "--max-prompt-tokens", "128",
+                  "--system-prompt", "Compute the answer by writing a ```python block that prints it.",
+                  "--tools", "python", "--tool-format", "python", "--max-turns", "2", "--out", str(out)])
+  assert rc == 0
+  printed = capsys.readouterr().out
+  metrics = json.loads(printed[:printed.rindex("}") + 1])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert len(rows) == 4
+  for r in rows:
+    assert len(r["tool_calls"]) == len(r["tool_errors"]) == len(r["completions"]) == 2
+    assert all(0 <= e <= c <= 2 for c, e in zip(r["tool_calls"], r["tool_errors"]))
+  assert metrics["tool_calls_per_completion"] == pytest.approx(np.mean([c for r in rows for c in r["tool_calls"]]))
+  assert summarize(rows, 2)["tool_error_rate"] == pytest.approx(metrics["tool_error_rate"])
+
+
+def test_rljax_eval_rejects_bad_tool_settings(tmp_path):
+  from rljax.errors import ConfigError
+  base = ["--data", "arithmetic", "--out", str(tmp_path / "e.jsonl")]
+  with pytest.raises(ConfigError, match="tool-kwargs is not valid JSON"):
+    eval_main(base + ["--tools", "python", "--tool-kwargs", "{python: 1}"])
+  with pytest.raises(ConfigError, match="nosuchtool"):
+    eval_main(base + ["--tools", "nosuchtool"])

@@ -1,6 +1,7 @@
 """Multi-turn tool use (rljax/multiturn.py): scripted tool calls on a tiny random model with the
 SmolLM2 tokenizer, real tools in the real tool pool."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -275,6 +276,41 @@ def test_trainer_runs_multi_turn_steps(tmp_path):
   assert m["reward/tools_mean"] == pytest.approx(0.5)      # 2 of 4 trajectories made one call
   assert np.isfinite(m["loss"]) and m["tools/segments"] >= 2
   assert m["response_length_mean"] < traj.lengths.mean()   # the loss counts model tokens only
+
+
+def test_evaluation_scores_trajectories_with_tool_output(policy, runner, tmp_path):
+  """`evaluate_policy` (the trainer's eval and `rljax eval --tools`) with a scripted engine: the
+  first completion of every example runs a cell, the verifier sees the interpreter's output in
+  the completion, and the per-example tool counts add up to the printed rate."""
+  import types
+  from rljax.data import build_dataset
+  from rljax.rewards import RewardPool, RewardSpec
+  from rljax.trainer.evaluate import evaluate_policy
+  tok = policy.tokenizer
+  dataset = build_dataset({"sources": [{"kind": "arithmetic", "difficulty": 1}], "max_prompt_tokens": 64,
+                           "shuffle": False}, split="test")
+  cell = tok.encode("```python\nprint(6*7)\n```")
+
+  def tool_rollout(sp):
+    engine = ToolRollout(policy.config, tok, runner, sp, TurnParams(segment_tokens=8, forced_width=16, max_turns=2),
+                         fmt="python", eos_ids=sp.stop_token_ids)
+    return types.SimpleNamespace(run=lambda *a: engine.run(*a, script=lambda r, t: cell if r % 2 == 0 and t == 0
+                                                            else None))
+
+  sp = SamplingParams(num_samples=2, max_new_tokens=40, temperature=1.0, stop_token_ids=tuple(tok.stop_ids))
+  spec = RewardSpec.from_dict({"components": [{"name": "correct", "verifier": "arithmetic", "weight": 1.0}],
+                               "num_workers": 1})
+  with RewardPool(spec) as pool:
+    m = evaluate_policy(policy.config, policy.params, tok, dataset, pool, num_examples=4, samples=2, sampling=sp,
+                        max_prompt_tokens=64, batch_prompts=2, out_path=str(tmp_path / "eval.jsonl"),
+                        tool_rollout=tool_rollout, prompt_tools=None)
+  rows = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+  assert m["num_examples"] == 4.0 and len(rows) == 4
+  for r in rows:
+    assert r["tool_calls"] == [1, 0] and r["tool_errors"] == [0, 0]
+    assert "<interpreter>\n42\n</interpreter>" in r["completions"][0]
+    assert "<interpreter>" not in r["completions"][1]
+  assert m["tool_calls_per_completion"] == pytest.approx(0.5) and m["tool_error_rate"] == 0.0
 
 
 def test_tools_config_errors():

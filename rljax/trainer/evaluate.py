@@ -5,6 +5,7 @@ Used by the trainer (before/after training and every `eval.every` steps) and by 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import numpy as np
 
 from rljax import evaluation
 from rljax.data import PromptBatcher
+from rljax.errors import ConfigError
 
 
 def _sample_fn(config, sp):
@@ -33,7 +35,9 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
   plus pass@1. Writes one JSON line per example to `out_path`. With `distinct`, repeated prompts
   are skipped, so a small procedural problem space is not scored twice on the same problem.
   With `tool_rollout(sampling) -> ToolRollout`, completions are multi-turn trajectories (tool
-  calls answered mid-generation) and the prompts carry `prompt_tools` schemas.
+  calls answered mid-generation, the responses included in the text the verifier sees), the
+  prompts carry `prompt_tools` schemas, and each example records `tool_calls` and `tool_errors`
+  per completion (summarized as `tool_calls_per_completion` and `tool_error_rate`).
   """
   batcher = PromptBatcher(dataset, tokenizer, prompts_per_batch=batch_prompts, max_prompt_tokens=max_prompt_tokens,
                           pad_to_max_prompt_tokens=True, drop_remainder=False, distinct=distinct, tools=prompt_tools)
@@ -68,6 +72,9 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
           "completions": texts[sl], "rewards": np.asarray(scored.rewards)[sl].tolist(),
           "correct": correct[sl].tolist(), "answers": list(answers[sl]),
       })
+      if tool_rollout is not None:
+        per_example[-1].update(tool_calls=np.asarray(out.turns)[sl].tolist(),
+                               tool_errors=np.asarray(out.tool_errors)[sl].tolist())
       if len(per_example) >= num_examples:
         break
     if len(per_example) >= num_examples:
@@ -92,6 +99,11 @@ def summarize(per_example: list[dict[str, Any]], samples: int, out_path: str | N
   if samples > 1:
     metrics[f"pass@{samples}"] = float(np.mean([evaluation.pass_at_k(samples, c, samples) for c in counts]))
     metrics[f"maj@{samples}"] = float(np.mean([evaluation.maj_at_k(e["answers"], e["correct"]) for e in per_example]))
+  if "tool_calls" in per_example[0]:
+    calls = np.concatenate([e["tool_calls"] for e in per_example])
+    errors = np.concatenate([e["tool_errors"] for e in per_example])
+    metrics["tool_calls_per_completion"] = float(calls.mean())
+    metrics["tool_error_rate"] = float(errors.sum() / max(calls.sum(), 1))
   if out_path:
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path, "w", encoding="utf-8") as f:
@@ -125,6 +137,15 @@ def eval_main(argv) -> int:
   parser.add_argument("--timeout", type=float, default=10.0)
   parser.add_argument("--out", default="eval_results.jsonl")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--tools", default=None,
+                      help="comma-separated tools the model may call mid-generation (calculator, search, python, "
+                           "or module:function); default: none (single-turn)")
+  parser.add_argument("--tool-format", default="hermes", choices=("hermes", "python"),
+                      help="how the model calls tools: <tool_call>{json}</tool_call> or ```python blocks")
+  parser.add_argument("--max-turns", type=int, default=4, help="tool calls per completion")
+  parser.add_argument("--tool-timeout", type=float, default=10.0, help="seconds per tool call")
+  parser.add_argument("--tool-kwargs", default=None,
+                      help='JSON keyword arguments per tool, e.g. \'{"search": {"corpus_path": "corpus.jsonl"}}\'')
   args = parser.parse_args(argv)
 
   import rljax
@@ -161,10 +182,31 @@ def eval_main(argv) -> int:
                       stop_token_ids=tuple(sorted(set(tok.stop_ids))))
   spec = RewardSpec.from_dict({"components": [{"name": "correct", "verifier": verifier, "weight": 1.0}],
                                "timeout_s": args.timeout, "num_workers": args.workers})
-  with RewardPool(spec) as pool:
+  with RewardPool(spec) as pool, _tool_runner(args) as runner:
+    tool_rollout = prompt_tools = None
+    if runner is not None:
+      from rljax.multiturn import ToolRollout, TurnParams
+      tool_rollout = lambda sp: ToolRollout(policy.config, tok, runner, sp, TurnParams(max_turns=args.max_turns),
+                                            fmt=args.tool_format, eos_ids=sp.stop_token_ids)
+      prompt_tools = runner.schemas() if args.tool_format == "hermes" else None
     metrics = evaluate_policy(policy.config, policy.params, tok, dataset, pool, num_examples=args.num_examples,
                               samples=args.samples, sampling=sp, max_prompt_tokens=args.max_prompt_tokens,
-                              batch_prompts=args.batch_prompts, out_path=args.out, seed=args.seed)
+                              batch_prompts=args.batch_prompts, out_path=args.out, seed=args.seed,
+                              tool_rollout=tool_rollout, prompt_tools=prompt_tools)
   print(json.dumps(metrics, indent=2))
   print(f"per-example results: {args.out}")
   return 0
+
+
+def _tool_runner(args):
+  """The ToolRunner for `--tools` (a context manager), or a null context without tools."""
+  if not args.tools:
+    return contextlib.nullcontext()
+  from rljax.tools import ToolRunner
+  try:
+    kwargs = json.loads(args.tool_kwargs) if args.tool_kwargs else None
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"--tool-kwargs is not valid JSON ({e}); pass an object of tool name -> keyword "
+                      "arguments, e.g. '{\"search\": {\"corpus_path\": \"corpus.jsonl\"}}'.") from None
+  names = [n.strip() for n in args.tools.split(",") if n.strip()]
+  return ToolRunner(names, timeout_s=args.tool_timeout, num_workers=args.workers, tool_kwargs=kwargs)
