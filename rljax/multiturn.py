@@ -1,14 +1,15 @@
 """Multi-turn tool use: compiled decode segments, tool calls on the host, decoding resumed from the cache.
 
 Shapes: P prompts, G completions per prompt, B = P * G rows (prompt-major), Lp prompt width,
-T = sp.max_new_tokens, the trajectory width (model and tool tokens together), S = Lp + slots
-cache slots, W = the widest feed of a round, V vocab.
+T = sp.max_new_tokens, the trajectory width (model and tool tokens together), S = `slots`
+trajectory cache slots per row, W = the widest feed of a round, V vocab.
 
 A trajectory is the row's tokens after its prompt, in order: model turns, tool responses,
 model turns, ... `ToolRollout.run` builds B of them:
 
-1. start: every prompt is prefilled once and fanned out to its G rows (`sampling.prefill`, as
-   in `sampling.sample`); each row samples its first token.
+1. start: every prompt is prefilled once (`sampling.prefill`, as in `sampling.sample`); its G
+   rows share that prompt cache, read-only, and each row gets its own trajectory cache; each
+   row samples its first token.
 2. segment (compiled `lax.while_loop`): one token per live row per step. A row pauses when it
    completes a tool call (the format's end marker, or the fence closing a ```python block), stops on a stop
    id, or is done when its trajectory is T tokens long. A segment ends when no row is still
@@ -26,14 +27,15 @@ Sampling key k (the k-th segment step or feed, counted over the whole call) is
 fold_in(rng, k); feeding a row nothing but its pending token gives it exactly the token the
 next decode step would, so the schedule of rounds does not change any row's distribution.
 
-The cache is a timeline shared by the rows: a decode step takes one slot of every row and a
+The trajectory cache is a timeline shared by the rows: a decode step takes one slot of every row and a
 feed takes W; slots a row does not use (it was paused or done, or its response was shorter
 than W) are masked. Positions count only a row's real tokens, so a trajectory's tokens see
 the same positions and the same keys and values as the learner's teacher-forced forward
 over [prompt, trajectory]. When the slots run out, the rows still live end truncated.
 
-Memory: the cache is 2 * L * B * (Lp + slots) * K * Dh elements of the compute dtype;
-slots defaults to 2 * T.
+Memory: the caches are 2 * L * (P * Lp + B * slots) * K * Dh elements of the compute dtype;
+slots defaults to 2 * T. (`reprefill`, the baseline and partial rollouts' resume, gives every
+row a cache of its whole history instead.)
 """
 from __future__ import annotations
 
@@ -143,10 +145,9 @@ def _choose(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, s
               paused=state["paused"] | (end & ~stop & ~full), fences=fences)
 
 
-def _layer_caches(config, cache, fan):
-  ks = tuple(fan(cache.k[i]) for i in range(config.num_layers))
-  vs = tuple(fan(cache.v[i]) for i in range(config.num_layers))
-  return ks, vs
+def _layer_caches(config, cache):
+  """The stacked [L, ...] cache as L per-layer key and value arrays."""
+  return tuple(cache.k[i] for i in range(config.num_layers)), tuple(cache.v[i] for i in range(config.num_layers))
 
 
 def _new_state(config: ModelConfig, sp: SamplingParams, tp: TurnParams, b: int, forced, forced_len):
@@ -165,21 +166,25 @@ def _new_state(config: ModelConfig, sp: SamplingParams, tp: TurnParams, b: int, 
 @functools.partial(jax.jit, static_argnames=("config", "sp", "tp", "stop_ids"))
 def start(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, params, prompt_ids, prompt_mask, rng,
           forced=None, forced_len=None):
-  """Prefills P prompts once, fans them out to G rows each, samples every row's first token.
+  """Prefills P prompts once, shares each prompt's cache with its G rows, samples every row's
+  first token.
 
   prompt_ids, prompt_mask: [P, Lp]; forced [B, F] int32 / forced_len [B] when tp.forced_width.
   Returns the rollout state (a dict of device arrays, see `_new_state`, plus the per-layer
-  caches ks / vs, kv_mask [B, S], index [], pos [B]).
+  trajectory caches ks / vs, kv_mask [B, S], index [], pos [B], and the prompt cache `prefix`
+  (ks [P, ...], vs [P, ...], mask [P, Lp]) that the G rows of each prompt read, never copy).
   """
   g = sp.num_samples
   fan = lambda x: jnp.repeat(x, g, axis=0, total_repeat_length=x.shape[0] * g)
-  width = prompt_ids.shape[1]
-  cache, logits = prefill(config, params, prompt_ids, prompt_mask, width + tp.cache_slots(sp))
-  ks, vs = _layer_caches(config, cache, fan)
-  b = prompt_ids.shape[0] * g
+  cache, logits = prefill(config, params, prompt_ids, prompt_mask, prompt_ids.shape[1])
+  b, slots = prompt_ids.shape[0] * g, tp.cache_slots(sp)
   state = _new_state(config, sp, tp, b, forced, forced_len)
   pos = fan(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32))
-  state.update(ks=ks, vs=vs, kv_mask=fan(cache.kv_mask), index=jnp.asarray(width, jnp.int32), pos=pos)
+  kh, dh, dtype = config.num_kv_heads, config.head_dim, config.compute_dtype
+  state.update(ks=tuple(jnp.zeros((b, kh, dh, slots), dtype) for _ in range(config.num_layers)),
+               vs=tuple(jnp.zeros((b, kh, slots, dh), dtype) for _ in range(config.num_layers)),
+               kv_mask=jnp.zeros((b, slots), bool), index=jnp.zeros((), jnp.int32), pos=pos,
+               prefix=(*_layer_caches(config, cache), cache.kv_mask))
   live = pos > 0
   state["done"] = ~live
   return _choose(config, sp, tp, stop_ids, state, fan(logits), live, rng)
@@ -201,7 +206,7 @@ def segment(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, p
     live = decoding(s)
     pending = jnp.take_along_axis(s["tok"], jnp.maximum(s["n"] - 1, 0)[:, None], axis=1)[:, 0]
     logits, ks, vs, kv_mask = decode_step(config, params, layer_params, pending, s["pos"], live, s["ks"], s["vs"],
-                                          s["kv_mask"], s["index"])
+                                          s["kv_mask"], s["index"], s.get("prefix"))
     s = dict(s, ks=ks, vs=vs, kv_mask=kv_mask, index=s["index"] + 1, pos=s["pos"] + live)
     return step + 1, _choose(config, sp, tp, stop_ids, s, logits, live, rng)
 
@@ -235,7 +240,7 @@ def feed(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, para
   mask = jnp.arange(w)[None, :] < lengths[:, None]
   positions = state["pos"][:, None] + jnp.arange(w)[None, :]
   hidden, ks, vs, kv_mask = forward_cached(config, params, layer_params, tokens, positions, mask, state["ks"],
-                                           state["vs"], state["kv_mask"], state["index"])
+                                           state["vs"], state["kv_mask"], state["index"], state.get("prefix"))
   last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
   logits = Transformer(config).apply({"params": params}, last, method=Transformer.hidden_to_logits)
   full = feeding & (n >= t_max)
@@ -262,8 +267,9 @@ def reprefill(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids,
   row samples its next token from the prefill's logits; the trajectory state is kept.
   """
   cache, logits = prefill(config, params, history, history_mask, history.shape[1] + slots)
-  ks, vs = _layer_caches(config, cache, lambda x: x)
+  ks, vs = _layer_caches(config, cache)
   live = ~state["done"]
+  state = {k: v for k, v in state.items() if k != "prefix"}   # each row's cache now holds its prompt
   state = dict(state, ks=ks, vs=vs, kv_mask=cache.kv_mask, index=jnp.asarray(history.shape[1], jnp.int32),
                pos=jnp.sum(history_mask, axis=-1, dtype=jnp.int32), paused=jnp.zeros_like(live))
   return _choose(config, sp, tp, stop_ids, state, logits, live, rng)

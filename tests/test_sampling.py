@@ -299,26 +299,29 @@ def test_greedy_and_k1_agree():
   np.testing.assert_array_equal(np.asarray(k1), np.asarray(g))
 
 
-def test_shared_prefix_attention_equals_fanned_out_cache():
-  """Decode attention over a prompt cache shared by each group of G rows equals attention over
-  one cache per row holding the prompt's slots followed by the row's own (the pre-sharing layout),
-  with masked slots in both parts. Tolerance 1e-6 (float32, another summation order)."""
-  from rljax.models.transformer import _decode_attention
-  p, g, kh, r, dh, sp, s = 3, 4, 2, 3, 16, 7, 5
-  keys = jax.random.split(jax.random.key(0), 5)
-  q = jax.random.normal(keys[0], (p * g, kh, r, dh))
+@pytest.mark.parametrize("t", [1, 3])
+def test_shared_prefix_attention_equals_fanned_out_cache(t):
+  """Attention of T new tokens per row over a prompt cache shared by each group of G rows equals
+  attention over one cache per row holding the prompt's slots followed by the row's own (the
+  layout before sharing), with masked slots in both parts (left padding, rows at different
+  lengths, causal among the T new tokens). Tolerance 1e-6 (float32, another summation order)."""
+  from rljax.models.transformer import _cached_attention
+  p, g, kh, r, dh, sp, s = 3, 4, 2, 3, 16, 7, 6
+  keys = jax.random.split(jax.random.key(t), 5)
+  q = jax.random.normal(keys[0], (p * g, t, kh, r, dh))
   pk, pv = jax.random.normal(keys[1], (p, kh, dh, sp)), jax.random.normal(keys[2], (p, kh, sp, dh))
   k, v = jax.random.normal(keys[3], (p * g, kh, dh, s)), jax.random.normal(keys[4], (p * g, kh, s, dh))
-  pmask = jnp.arange(sp)[None, :] >= jnp.array([[0], [2], [4]])          # left padding of 0, 2, 4
-  mask = jnp.arange(s)[None, :] <= (jnp.arange(p * g) % s)[:, None]     # rows at different lengths
-  shared = _decode_attention(q, k, v, mask, (pk, pv, pmask))
+  pmask = jnp.arange(sp)[None, :] >= jnp.array([[0], [2], [4]])                  # left padding of 0, 2, 4
+  lengths = jnp.arange(p * g) % (s - t + 1)                                        # rows at different lengths
+  mask = jnp.arange(s)[None, None, :] <= (lengths[:, None] + jnp.arange(t)[None, :])[..., None]  # [B, T, S]
+  shared = _cached_attention(q, k, v, mask, (pk, pv, pmask))
   fan = lambda x: jnp.repeat(x, g, axis=0)
-  full = _decode_attention(q, jnp.concatenate([fan(pk), k], -1), jnp.concatenate([fan(pv), v], -2),
-                           jnp.concatenate([fan(pmask), mask], -1))
-  assert shared.shape == (p * g, kh, r, dh)
+  full_mask = jnp.concatenate([jnp.broadcast_to(fan(pmask)[:, None], (p * g, t, sp)), mask], -1)
+  full = _cached_attention(q, jnp.concatenate([fan(pk), k], -1), jnp.concatenate([fan(pv), v], -2), full_mask)
+  assert shared.shape == (p * g, t, kh, r, dh)
   np.testing.assert_allclose(np.asarray(shared), np.asarray(full), atol=1e-6, rtol=1e-6)
   # The prefix matters: dropping it changes the output.
-  assert np.abs(np.asarray(_decode_attention(q, k, v, mask)) - np.asarray(full)).max() > 1e-2
+  assert np.abs(np.asarray(_cached_attention(q, k, v, mask)) - np.asarray(full)).max() > 1e-2
 
 
 # ---- reproducibility, stop tokens, sharding ---------------------------------------------------

@@ -110,7 +110,7 @@ class Attention(nn.Module):
   def __call__(self, x, cos, sin, mask, layer_cache, prefix=None):
     """x: [B, T, D]; mask: [B, T, S] bool; layer_cache: (k [B, K, Dh, S], v [B, K, S, Dh], index) or None.
 
-    prefix (decode only, T = 1): a read-only cache shared by groups of B / P consecutive rows,
+    prefix (with a cache only): a read-only cache shared by groups of B / P consecutive rows,
     (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp] bool), attended before the row's own cache.
     """
     c = self.config
@@ -146,49 +146,54 @@ class Attention(nn.Module):
       ck = jax.lax.dynamic_update_slice_in_dim(ck, key.transpose(0, 2, 3, 1).astype(ck.dtype), index, axis=3)
       cv = jax.lax.dynamic_update_slice_in_dim(cv, val.transpose(0, 2, 1, 3).astype(cv.dtype), index, axis=2)
       new_cache = (ck, cv)
-      kt, vv = ck.astype(dt), cv.astype(dt)
-      if t == 1:
-        out = _decode_attention(qg[:, 0], kt, vv, mask[:, 0], prefix)[:, None]  # [B, 1, K, R, Dh]
-      else:
-        if prefix is not None:
-          raise ValueError("a shared prefix cache is supported for one new token per row only")
-        scores = jnp.einsum("btkrd,bkds->bktrs", qg, kt, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(dh)
-        scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bktrs,bksd->btkrd", probs, vv)
+      out = _cached_attention(qg, ck.astype(dt), cv.astype(dt), mask, prefix)
     out = out.reshape(b, t, h, dh)
     wo = _param(self, "o_kernel", init, (h, dh, d), ("heads", "head_dim", "embed"), pdt)
     return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_cache
 
 
-def _decode_attention(q, k, v, mask, prefix=None):
-  """Attention of one new token per row. q: [B, K, R, Dh]; k: [B, K, Dh, S]; v: [B, K, S, Dh];
-  mask: [B, S] bool; prefix: None or (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp]) shared by
-  the B / P consecutive rows of each group. Returns [B, K, R, Dh].
+def _cached_attention(q, k, v, mask, prefix=None):
+  """Attention of T new tokens per row over the row's cache and, optionally, a shared prefix.
 
-  A row's own cache is read with products summed in place (one pass over the cache; batched
-  matmuls with R-row operands run far below memory speed on CPU). The shared prefix is read once
-  per group: its queries are the group's G * R rows, a real matmul, instead of G copies of the
-  prompt's keys and values.
+  q: [B, T, K, R, Dh] (R = query heads per KV head); k: [B, K, Dh, S]; v: [B, K, S, Dh];
+  mask: [B, T, S] bool; prefix: None or (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp]), a
+  read-only cache shared by each group of B / P consecutive rows and attended before the row's
+  own slots. Returns [B, T, K, R, Dh].
+
+  For one token (decode) a row's cache is read with products summed in place: one pass over the
+  cache, where batched matmuls with R-row operands run far below memory speed on CPU. The shared
+  prefix is read once per group, by one matmul whose rows are the group's G * T * R queries,
+  instead of once per row.
   """
-  b, kh, r, dh = q.shape
-  q32 = q.astype(jnp.float32)
-  scores = jnp.sum(q32[..., None] * k[:, :, None].astype(jnp.float32), axis=3) / math.sqrt(dh)  # [B, K, R, S]
-  scores = jnp.where(mask[:, None, None, :], scores, _MASK_VALUE)
-  if prefix is None:
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.sum(probs[..., None] * v[:, :, None], axis=3)
-  pk, pv, pmask = prefix
-  p, sp = pk.shape[0], pk.shape[-1]
-  g = b // p
-  grouped = lambda x: x.reshape(p, g, kh, r, -1).transpose(0, 2, 1, 3, 4).reshape(p, kh, g * r, x.shape[-1])
-  ungrouped = lambda x: x.reshape(p, kh, g, r, -1).transpose(0, 2, 1, 3, 4).reshape(b, kh, r, x.shape[-1])
-  pscores = jnp.einsum("pkqd,pkds->pkqs", grouped(q32), pk.astype(jnp.float32)) / math.sqrt(dh)  # [P, K, G * R, Sp]
-  pscores = jnp.where(pmask[:, None, None, :], pscores, _MASK_VALUE)
-  probs = jax.nn.softmax(jnp.concatenate([ungrouped(pscores), scores], axis=-1), axis=-1).astype(v.dtype)
-  out = jnp.sum(probs[..., sp:, None] * v[:, :, None], axis=3)
-  return out + ungrouped(jnp.einsum("pkqs,pksd->pkqd", grouped(probs[..., :sp]), pv.astype(v.dtype)))
+  b, t, kh, r, dh = q.shape
+  if t == 1:
+    q1 = q[:, 0].astype(jnp.float32)  # [B, K, R, Dh]
+    scores = jnp.sum(q1[..., None] * k[:, :, None].astype(jnp.float32), axis=3)[:, :, None]  # [B, K, 1, R, S]
+  else:
+    scores = jnp.einsum("btkrd,bkds->bktrs", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.where(mask[:, None, :, None, :], scores / math.sqrt(dh), _MASK_VALUE)
+  if prefix is not None:
+    pk, pv, pmask = prefix
+    p, n = pk.shape[0], pk.shape[-1]
+    g, rows = b // p, t * r
+    # [B, K, T, R, X] <-> [P, K, G * T * R, X]: a group's queries as the rows of one matmul.
+    grouped = lambda x: x.reshape(p, g, kh, rows, -1).transpose(0, 2, 1, 3, 4).reshape(p, kh, g * rows, x.shape[-1])
+    ungrouped = lambda x: x.reshape(p, kh, g, t, r, -1).transpose(0, 2, 1, 3, 4, 5).reshape(b, kh, t, r, x.shape[-1])
+    qk = q.transpose(0, 2, 1, 3, 4).astype(jnp.float32)  # [B, K, T, R, Dh]
+    pscores = jnp.einsum("pkqd,pkds->pkqs", grouped(qk), pk.astype(jnp.float32)) / math.sqrt(dh)
+    pscores = jnp.where(pmask[:, None, None, :], pscores, _MASK_VALUE)
+    scores = jnp.concatenate([ungrouped(pscores), scores], axis=-1)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, T, R, (Sp +) S]
+  if prefix is not None:
+    shared = ungrouped(jnp.einsum("pkqs,pksd->pkqd", grouped(probs[..., :n]), pv.astype(v.dtype)))
+    probs = probs[..., n:]
+  if t == 1:
+    out = jnp.sum(probs[:, :, 0, :, :, None] * v[:, :, None], axis=3)[:, None]  # [B, 1, K, R, Dh]
+  else:
+    out = jnp.einsum("bktrs,bksd->btkrd", probs, v)
+  if prefix is not None:
+    out = out + shared.transpose(0, 2, 1, 3, 4)
+  return out
 
 
 class MLP(nn.Module):
