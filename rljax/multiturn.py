@@ -27,9 +27,9 @@ Sampling key k (the k-th segment step or feed, counted over the whole call) is
 fold_in(rng, k); feeding a row nothing but its pending token gives it exactly the token the
 next decode step would, so the schedule of rounds does not change any row's distribution.
 
-The trajectory cache is a timeline shared by the rows: a decode step takes one slot of every row and a
-feed takes W; slots a row does not use (it was paused or done, or its response was shorter
-than W) are masked. Positions count only a row's real tokens, so a trajectory's tokens see
+The trajectory cache is a timeline shared by the rows: a decode step takes one slot of every
+row and a feed takes W; slots a row does not use (it was paused or done, or its response was
+shorter than W) are masked. Positions count only a row's real tokens, so a trajectory's tokens see
 the same positions and the same keys and values as the learner's teacher-forced forward
 over [prompt, trajectory]. When the slots run out, the rows still live end truncated.
 

@@ -502,8 +502,8 @@ def forward_cached(config: ModelConfig, params, layer_params, tokens, positions,
   """W new tokens per row written at slots [index, index + W) of per-layer caches.
 
   tokens, positions: [B, W] int32; token_mask: [B, W] bool; ks, vs, kv_mask, prefix as in
-  `decode_step` (a prefix needs W = 1).
-  Token w of a row attends to the slots <= index + w whose kv_mask is set. Returns the
+  `decode_step`. Token w of a row attends to its prefix (if any), then to the slots
+  <= index + w whose kv_mask is set. Returns the
   final-normed hidden states [B, W, D] (compute dtype) and the updated ks, vs, kv_mask.
   """
   c = config
