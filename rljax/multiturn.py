@@ -51,8 +51,8 @@ import numpy as np
 from rljax.errors import ConfigError
 from rljax.models.config import ModelConfig
 from rljax.models.transformer import Transformer
-from rljax.sampling import (SamplingParams, _isin, _split_layers, check_lengths, decode_step, forward_cached,
-                            prefill, sample_logits)
+from rljax.sampling import (SamplingParams, _isin, _split_layers, check_lengths, decode_step, empty_caches,
+                            forward_cached, prefill, sample_logits, split_cache)
 
 FEED_BUCKET = 16          # feed widths are rounded up to a multiple of this (fewer compiled shapes)
 
@@ -145,11 +145,6 @@ def _choose(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, s
               paused=state["paused"] | (end & ~stop & ~full), fences=fences)
 
 
-def _layer_caches(config, cache):
-  """The stacked [L, ...] cache as L per-layer key and value arrays."""
-  return tuple(cache.k[i] for i in range(config.num_layers)), tuple(cache.v[i] for i in range(config.num_layers))
-
-
 def _new_state(config: ModelConfig, sp: SamplingParams, tp: TurnParams, b: int, forced, forced_len):
   t = sp.max_new_tokens
   pad = 0 if config.pad_token_id is None else int(config.pad_token_id)
@@ -180,11 +175,9 @@ def start(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, par
   b, slots = prompt_ids.shape[0] * g, tp.cache_slots(sp)
   state = _new_state(config, sp, tp, b, forced, forced_len)
   pos = fan(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32))
-  kh, dh, dtype = config.num_kv_heads, config.head_dim, config.compute_dtype
-  state.update(ks=tuple(jnp.zeros((b, kh, dh, slots), dtype) for _ in range(config.num_layers)),
-               vs=tuple(jnp.zeros((b, kh, slots, dh), dtype) for _ in range(config.num_layers)),
-               kv_mask=jnp.zeros((b, slots), bool), index=jnp.zeros((), jnp.int32), pos=pos,
-               prefix=(*_layer_caches(config, cache), cache.kv_mask))
+  ks, vs, kv_mask = empty_caches(config, b, slots)
+  state.update(ks=ks, vs=vs, kv_mask=kv_mask, index=jnp.zeros((), jnp.int32), pos=pos,
+               prefix=(*split_cache(config, cache), cache.kv_mask))
   live = pos > 0
   state["done"] = ~live
   return _choose(config, sp, tp, stop_ids, state, fan(logits), live, rng)
@@ -267,7 +260,7 @@ def reprefill(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids,
   row samples its next token from the prefill's logits; the trajectory state is kept.
   """
   cache, logits = prefill(config, params, history, history_mask, history.shape[1] + slots)
-  ks, vs = _layer_caches(config, cache)
+  ks, vs = split_cache(config, cache)
   live = ~state["done"]
   state = {k: v for k, v in state.items() if k != "prefix"}   # each row's cache now holds its prompt
   state = dict(state, ks=ks, vs=vs, kv_mask=cache.kv_mask, index=jnp.asarray(history.shape[1], jnp.int32),

@@ -377,17 +377,14 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   # 1. Prefill, once per prompt, through the learner's forward. Its cache is the prompt cache
   # that the G rows of the prompt share (read-only) while decoding.
   cache, logits = prefill(config, params, prompt_ids, prompt_mask, width, constrain)
-  prefix = (tuple(layer_k(cache.k[i]) for i in range(config.num_layers)),
-            tuple(layer_v(cache.v[i]) for i in range(config.num_layers)), rows(cache.kv_mask))
+  pks, pvs = split_cache(config, cache)
+  prefix = (tuple(map(layer_k, pks)), tuple(map(layer_v, pvs)), rows(cache.kv_mask))
 
   # 2. Fan out the first-token logits to G rows per prompt; each row gets its own completion
   # cache (one array per layer), sized to the first segment.
   fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis, total_repeat_length=x.shape[axis] * g)
-  first = segment_ends(t_new)[0]
-  kh, dh, dtype = config.num_kv_heads, config.head_dim, config.compute_dtype
-  ks = tuple(layer_k(jnp.zeros((b, kh, dh, first), dtype)) for _ in range(config.num_layers))
-  vs = tuple(layer_v(jnp.zeros((b, kh, first, dh), dtype)) for _ in range(config.num_layers))
-  kv_mask = rows(jnp.zeros((b, first), bool))
+  ks, vs, kv_mask = empty_caches(config, b, segment_ends(t_new)[0])
+  ks, vs, kv_mask = tuple(map(layer_k, ks)), tuple(map(layer_v, vs)), rows(kv_mask)
   logits = rows(fan(logits))
   prompt_len = fan(prompt_len)
   active = rows(prompt_len > 0)
@@ -412,8 +409,8 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
            jnp.zeros((b,), bool))
   state, tok = choose(state, logits, 0)
 
-  # 3. Decode: one token per iteration, until every row is done. The cache grows by segments, so
-  # a step attends over the slots written so far (rounded up to its segment), not all S.
+  # 3. Decode: one token per iteration, until every row is done. The completion cache grows by
+  # segments, so a step attends over the slots written so far (rounded up to its segment), not all T.
   def cond(carry):
     t, _, _, _, _, state = carry
     return (t < end) & ~jnp.all(state[4])
@@ -447,8 +444,8 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
 
 def segment_ends(t_new: int) -> tuple[int, ...]:
   """Token counts at which the decode cache grows: up to _SEGMENTS equal parts of at least
-  _MIN_SEGMENT tokens. The cache of the segment ending at `end` has Lp + end slots (token t is
-  written at slot Lp + t - 1)."""
+  _MIN_SEGMENT tokens. The completion cache of the segment ending at `end` has `end` slots
+  (token t is written at slot t - 1)."""
   n = max(1, min(_SEGMENTS, t_new // _MIN_SEGMENT))
   return tuple(-(-t_new * (k + 1) // n) for k in range(n))
 
@@ -469,6 +466,19 @@ def prefill(config: ModelConfig, params, prompt_ids, prompt_mask, slots: int, co
   last = _last_true(prompt_mask)
   h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [P, D]
   return cache, Transformer(config).apply({"params": params}, h_last, method=Transformer.hidden_to_logits)
+
+
+def split_cache(config: ModelConfig, cache: KVCache) -> tuple[tuple, tuple]:
+  """A stacked KVCache's keys and values as L per-layer arrays (ks, vs), as `decode_step` takes them."""
+  return tuple(cache.k[i] for i in range(config.num_layers)), tuple(cache.v[i] for i in range(config.num_layers))
+
+
+def empty_caches(config: ModelConfig, batch: int, slots: int) -> tuple[tuple, tuple, jax.Array]:
+  """Zeroed per-layer caches (ks [B, K, Dh, S] x L, vs [B, K, S, Dh] x L, kv_mask [B, S])."""
+  kh, dh, dtype = config.num_kv_heads, config.head_dim, config.compute_dtype
+  return (tuple(jnp.zeros((batch, kh, dh, slots), dtype) for _ in range(config.num_layers)),
+          tuple(jnp.zeros((batch, kh, slots, dh), dtype) for _ in range(config.num_layers)),
+          jnp.zeros((batch, slots), bool))
 
 
 def _split_layers(stacked, num_layers: int) -> list:
