@@ -15,7 +15,7 @@ USAGE = """usage: rljax <command> [options]
 commands:
   train     train a policy: rljax train [--config configs/NAME.py] [--config.FIELD=VALUE ...]
             (no --config: the embedded default, SmolLM2-135M-Instruct + GRPO on arithmetic)
-  eval      rljax eval --model X --data Y --verifier Z [--samples K] [--out FILE]
+  eval      rljax eval --model X --data Y --verifier Z [--samples K] [--out FILE] [--tools T,...]
   export    rljax export --checkpoint DIR --out HF_DIR [--step N] [--dtype bfloat16|float32]
   generate  rljax generate [--model X] --prompt TEXT [--max-new-tokens N] [--temperature T]
 """
