@@ -267,7 +267,10 @@ def test_adversarial_code_is_contained(code_pool, name):
   start = time.monotonic()
   out = code_pool.score([completion, "```python\nprint(sum(map(int, input().split())))\n```"], [ADD, ADD])
   assert time.monotonic() - start < 1.0 + 5.0
-  assert out.components["code"].tolist() == [0.0, 1.0]
+  # kill_parent prints the right answer once its kill fails (EPERM as a private uid) or is
+  # ignored (its parent is its PID namespace's init); what matters is that nothing else died.
+  first = [0.0, 1.0] if name == "kill_parent" else [0.0]
+  assert out.components["code"][0] in first and out.components["code"][1] == 1.0, out.components
   assert_nothing_left()
   assert not os.path.exists("/etc/rljax_sandbox_probe")
 
@@ -276,11 +279,11 @@ def test_sandbox_cannot_read_private_files(code_pool, tmp_path):
   secret = tmp_path / "secret.txt"
   secret.write_text("5")
   secret.chmod(0o600)
-  if os.geteuid() != 0:
-    pytest.skip("file isolation needs the uid switch, which needs root")
+  if not sandbox.isolation().isolated:
+    pytest.skip(f"the sandbox cannot isolate here: {sandbox.isolation().note}")
   completion = f"```python\nprint(open({str(secret)!r}).read())\n```"
   assert code_pool.score([completion], [ADD]).components["code"].tolist() == [0.0]
-  # World-readable files stay readable (documented: the sandbox is not a chroot).
+  # System files stay readable (documented: system directories are bound read-only).
   res = sandbox.run_python("print(len(open('/etc/hostname').read()) > 0)")
   assert res.ok and res.stdout.strip() == "True"
 

@@ -20,6 +20,7 @@ import dataclasses
 import importlib
 import inspect
 import math
+import numbers
 import threading
 from typing import Any, Callable, Mapping
 
@@ -28,6 +29,8 @@ from rljax.imports import import_object
 
 KINDS = ("item", "group", "batch")
 _ATTR = "__rljax_verifier__"
+FLOAT32_MAX = 3.4028234663852886e38  # scores become float32: anything larger would turn into inf
+_INT64 = (-(1 << 63), 1 << 63)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,14 +193,15 @@ def normalize_result(value: Any) -> tuple[float, dict[str, Any] | None]:
   """(score, info) from a verifier's return value.
 
   Raises:
-    TypeError: the value is not a number, bool or RewardResult.
-    ValueError: the score is not finite.
+    TypeError: the value is not a number, bool or RewardResult, or its info is not a dict
+      with string keys and representable numbers (see check_info).
+    ValueError: the score is not finite in float32 (it is stored as float32).
   """
   info = None
   if isinstance(value, RewardResult):
-    value, info = value.score, (dict(value.info) if value.info else None)
+    value, info = value.score, value.info
   elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
-    value, info = value[0], dict(value[1])
+    value, info = value
   if isinstance(value, (str, bytes)) or value is None:
     raise TypeError(f"verifier returned {type(value).__name__}; expected a float or RewardResult")
   if isinstance(value, bool):
@@ -207,6 +211,41 @@ def normalize_result(value: Any) -> tuple[float, dict[str, Any] | None]:
       score = float(value)
     except (TypeError, ValueError):
       raise TypeError(f"verifier returned {type(value).__name__}; expected a float or RewardResult") from None
-  if not math.isfinite(score):
-    raise ValueError(f"verifier returned a non-finite score {score}")
-  return score, info
+    except OverflowError:
+      raise ValueError(f"verifier returned a score too large for a float: {value}") from None
+  if not math.isfinite(score) or abs(score) > FLOAT32_MAX:
+    raise ValueError(f"verifier returned a score that is not finite in float32: {score}")
+  return score, check_info(info)
+
+
+def check_info(info: Mapping[str, Any] | None) -> dict[str, Any] | None:
+  """A copy of a verifier's info dict, checked so that metrics can average its numbers.
+
+  Numbers must be bools, ints in the int64 range or real numbers that convert to a float
+  (NaN and inf are kept, and left out of the averages); other values (strings, lists, ...)
+  are kept as they are and not averaged.
+
+  Raises:
+    TypeError: info is not a mapping, a key is not a string, or a number is not representable.
+  """
+  if info is None:
+    return None
+  if not isinstance(info, Mapping):
+    raise TypeError(f"RewardResult.info must be a dict, got {type(info).__name__}")
+  out = dict(info)
+  for key, value in out.items():
+    if not isinstance(key, str):
+      raise TypeError(f"RewardResult.info keys must be strings, got {key!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Number):
+      continue
+    if isinstance(value, numbers.Integral):
+      if not _INT64[0] <= int(value) < _INT64[1]:
+        raise TypeError(f"RewardResult.info[{key!r}] = {value} is outside the int64 range")
+      continue
+    if not isinstance(value, numbers.Real):
+      raise TypeError(f"RewardResult.info[{key!r}] is a {type(value).__name__}, not a real number")
+    try:
+      float(value)
+    except (TypeError, ValueError, OverflowError):
+      raise TypeError(f"RewardResult.info[{key!r}] = {value!r} does not convert to a float") from None
+  return out

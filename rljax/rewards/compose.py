@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -89,8 +90,21 @@ def batch_metrics(spec: RewardSpec, rewards: np.ndarray, scores: np.ndarray, pas
       if not info:
         continue
       for key, value in info.items():
-        if isinstance(value, (bool, int, float, np.number)) and np.isfinite(value):
-          sums.setdefault(key, []).append(float(value))
+        number = _metric_value(value)
+        if number is not None:
+          sums.setdefault(key, []).append(number)
     for key, values in sums.items():
       m[f"info/{c.name}/{key}"] = float(np.mean(values))
   return m
+
+
+def _metric_value(value: Any) -> float | None:
+  """A finite float from a numeric info value, else None (never raises: one item's
+  metadata must not fail a training step)."""
+  if not isinstance(value, (bool, int, float, np.number)) or isinstance(value, np.complexfloating):
+    return None
+  try:
+    number = float(value)
+  except (TypeError, ValueError, OverflowError):
+    return None
+  return number if math.isfinite(number) else None

@@ -11,14 +11,21 @@ Guarantees (with num_workers > 0):
   * per-batch deadline: `score` returns within about batch_deadline_s, items left
     unscored get the fallback;
   * crash isolation: a worker that dies (segfault, os._exit, OOM kill) is replaced and
-    its item gets the fallback;
+    its item gets the fallback. When the zygote dies (all workers die with it), the items
+    that were running are not convicted: each is re-run alone, and only one that kills
+    its worker again counts as a crash;
   * bounded memory: each worker has RLIMIT_AS = max_memory_mb;
-  * no leaks: close() kills the workers, their sandboxed subprocesses and the zygote.
+  * bad results: a score that is not finite in float32, or an info dict that metrics
+    cannot average, is an error of that item (never an exception in `score`);
+  * no leaks: a verifier's processes (setsid'd daemons too) are killed when its item
+    ends; close() kills the workers, their processes and the zygote.
 Every failure is counted in the metrics (verifier/timeouts, verifier/errors,
 verifier/crashes, verifier/deadline_misses) and the first error messages are logged.
 
-`score` only uses sockets and select (no signals), so it is safe to call from any thread,
-including a `jax.experimental.io_callback` inside a jitted step.
+`score` only uses non-blocking sockets and poll (no signals): reading a worker's reply
+never waits past the item's timeout or the batch deadline, even if the worker wrote half a
+frame and hung. It is safe to call from any thread, including a
+`jax.experimental.io_callback` inside a jitted step.
 """
 from __future__ import annotations
 
@@ -26,8 +33,10 @@ import atexit
 import collections
 import dataclasses
 import logging
+import math
 import os
 import pickle
+import select
 import signal
 import socket
 import subprocess
@@ -36,17 +45,16 @@ import tempfile
 import threading
 import time
 import weakref
-from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from rljax.errors import ConfigError
 from rljax.rewards import sandbox
-from rljax.rewards.base import Verifier
+from rljax.rewards.base import FLOAT32_MAX, Verifier
 from rljax.rewards.compose import RewardBatch, batch_metrics, combine
 from rljax.rewards.spec import RewardSpec
-from rljax.rewards.worker import call_verifier, describe_exception
+from rljax.rewards.worker import MAX_REPLY, call_verifier, describe_exception, encode_frame, split_frames
 
 log = logging.getLogger("rljax.rewards")
 
@@ -56,6 +64,72 @@ _MAX_CHUNK = 8       # tasks per message to a worker
 _REFILL_BELOW = 2    # send a worker more tasks once it has at most this many queued
 _START_TIMEOUT_S = 120.0
 _SPAWN_TIMEOUT_S = 30.0
+_READ_CHUNK = 1 << 20
+_READ_CHUNKS = 8     # per read(): a worker that floods its socket cannot keep `score` reading
+
+
+class _Lost(Exception):
+  """A worker's stream ended or is corrupt."""
+
+
+class _Channel:
+  """The parent's end of a worker's socket: non-blocking, frames reassembled as bytes come."""
+
+  def __init__(self, fd: int):
+    self.sock = socket.socket(fileno=fd)
+    self.sock.setblocking(False)
+    self.inbox = bytearray()
+    self.outbox = bytearray()
+
+  def fileno(self) -> int:
+    return self.sock.fileno()
+
+  def queue(self, obj: Any) -> None:
+    self.outbox += encode_frame(obj)
+
+  def flush(self) -> None:
+    """Sends what the socket takes now. Raises _Lost when the worker is gone."""
+    while self.outbox:
+      try:
+        sent = self.sock.send(self.outbox)
+      except BlockingIOError:
+        return
+      except OSError as e:
+        raise _Lost(f"send failed ({type(e).__name__})") from None
+      del self.outbox[:sent]
+
+  def hung_up(self) -> bool:
+    """Whether an idle worker's socket has something to say: its end (it died) or unasked-for bytes."""
+    poller = select.poll()
+    poller.register(self.sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+  def read(self) -> tuple[list[Any], str | None]:
+    """The complete replies that arrived, and why the stream ended (None while it is fine)."""
+    ended = None
+    for _ in range(_READ_CHUNKS):
+      try:
+        data = self.sock.recv(_READ_CHUNK)
+      except BlockingIOError:
+        break
+      except OSError as e:
+        ended = type(e).__name__
+        break
+      if not data:
+        ended = "EOF"
+        break
+      self.inbox += data
+    frames, corrupt = split_frames(self.inbox, MAX_REPLY + (1 << 20))
+    replies = []
+    for frame in frames:
+      try:
+        replies.append(pickle.loads(frame))
+      except Exception as e:  # noqa: BLE001 - whatever a corrupt frame unpickles into
+        return replies, f"corrupt frame ({type(e).__name__})"
+    return replies, f"corrupt stream: {corrupt}" if corrupt else ended
+
+  def close(self) -> None:
+    self.sock.close()
 
 
 @dataclasses.dataclass
@@ -64,6 +138,7 @@ class _Task:
   comp: int
   items: list[int]
   timeout: float
+  solo: bool = False  # re-run alone after its worker died with the zygote
 
 
 @dataclasses.dataclass
@@ -71,7 +146,7 @@ class _Worker:
   wid: int
   uid: int | None
   pid: int = 0
-  conn: Connection | None = None
+  conn: _Channel | None = None
   queue: collections.deque = dataclasses.field(default_factory=collections.deque)
   deadline: float = 0.0
 
@@ -141,13 +216,15 @@ class _Zygote:
     msg = pickle.loads(data)
     return (*msg, fds)
 
-  def spawn(self, wid: int, uid: int | None) -> tuple[int, Connection]:
+  def spawn(self, wid: int, uid: int | None) -> tuple[int, _Channel]:
     self.sock.settimeout(_SPAWN_TIMEOUT_S)
     self.sock.send(pickle.dumps(("spawn", wid, uid)))
     while True:
       msg = self._recv(_SPAWN_TIMEOUT_S, what="spawn")
       if msg[0] == "spawned" and msg[1] == wid and msg[3]:
-        return msg[2], Connection(msg[3][0])
+        for fd in msg[3][1:]:
+          os.close(fd)
+        return msg[2], _Channel(msg[3][0])
       for fd in msg[-1]:
         os.close(fd)
       if msg[0] == "spawn_failed":
@@ -160,7 +237,20 @@ class _Zygote:
       pass
 
   def alive(self) -> bool:
-    return self.proc.poll() is None
+    """Whether the zygote runs. Its socket end closes before its children get their
+    PDEATHSIG, so a worker that died with the zygote always finds it dead here."""
+    if self.proc.poll() is not None:
+      return False
+    try:
+      poller = select.poll()
+      poller.register(self.sock, select.POLLIN)
+      if not poller.poll(0):
+        return True
+      return bool(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+      return True
+    except (OSError, ValueError):
+      return False
 
   def close(self) -> None:
     try:
@@ -195,6 +285,8 @@ class RewardPool:
     self._closed = False
     self.totals: collections.Counter = collections.Counter()
     self._remote_needed = spec.num_workers > 0 and any(not v.inline for v in self.verifiers)
+    if any(v.warmup is sandbox.isolation for v in self.verifiers):
+      self._check_sandbox()
     _LIVE_POOLS.add(self)
     if self._remote_needed:
       try:
@@ -205,6 +297,14 @@ class RewardPool:
       except BaseException:
         self.close()
         raise
+
+  def _check_sandbox(self) -> None:
+    """Probes the code sandbox once at start-up (which warns loudly when it cannot isolate)
+    and refuses to start then if the spec requires isolation."""
+    iso = sandbox.isolation()
+    if not iso.isolated and self.spec.sandbox.get("require_isolation"):
+      raise ConfigError(f"rewards.sandbox.require_isolation is set, but the code sandbox cannot isolate model "
+                        f"code on this machine: {iso.note}")
 
   def _remote_components(self) -> list[tuple[Verifier, dict[str, Any]]]:
     return [(v, dict(c.kwargs)) for v, c in zip(self.verifiers, self.spec.components)]
@@ -263,7 +363,7 @@ class RewardPool:
         pass
     self._zygote = _Zygote(self._remote_components(), self.spec.max_memory_mb)
     self.totals["zygote_restarts"] += 1
-    # Workers of the old zygote die with it (PDEATHSIG); their items are reported as crashes.
+    # Workers of the old zygote died with it (PDEATHSIG); _run_remote re-ran their items alone.
 
   def _kill(self, w: _Worker, reason: str | None) -> None:
     """SIGKILLs a worker's process group now and asks the zygote to kill its sandbox uid."""
@@ -272,8 +372,10 @@ class RewardPool:
         kill(w.pid, signal.SIGKILL)
       except (ProcessLookupError, PermissionError):
         pass
-    if self._zygote is not None:
+    if self._zygote is not None and self._zygote.alive():
       self._zygote.kill(w.pid, w.uid)
+    else:  # nobody else is left to kill what runs as the worker's sandbox uid
+      sandbox.kill_uid(w.uid)
     if w.conn is not None:
       w.conn.close()
     w.conn = None
@@ -332,6 +434,8 @@ class RewardPool:
     errors: list[str] = []
 
     def record(task: _Task, results=None, error: str | None = None, kind: str = "errors") -> None:
+      if error is None and results is not None:
+        error = _bad_results(results, len(task.items))
       if error is None and results is not None:
         for i, (s, info) in zip(task.items, results):
           scores[task.comp, i] = s
@@ -405,96 +509,119 @@ class RewardPool:
   def _run_remote(self, tasks: list[_Task], completions, examples, tokens, step, record, counts,
                   deadline: float) -> None:
     pending = collections.deque(tasks)
+    suspects: collections.deque = collections.deque()  # items of workers that died with the zygote
     workers = self._workers
 
-    def fail_head(w: _Worker, kind: str, message: str) -> None:
-      """The worker's current task failed with the worker: kill it, requeue the rest."""
-      head = w.queue.popleft() if w.queue else None
-      rest = list(w.queue)
-      w.queue.clear()
-      self._kill(w, message)
-      if head is not None:
-        record(head, error=message, kind=kind)
-      pending.extendleft(reversed(rest))
+    def lose(w: _Worker, kind: str, message: str) -> None:
+      """The worker failed on its current task: kill it, requeue the rest. A crash that
+      comes with the zygote's death convicts nobody yet: every worker died with the zygote,
+      and the task each was running is re-run alone."""
+      with_zygote = kind == "crashes" and self._zygote is not None and not self._zygote.alive()
+      victims = [w] + ([v for v in workers if v is not w and v.alive] if with_zygote else [])
+      for v in victims:
+        head = v.queue.popleft() if v.queue else None
+        rest = list(v.queue)
+        v.queue.clear()
+        self._kill(v, message if v is w else "died with the zygote")
+        pending.extendleft(reversed(rest))
+        if head is None:
+          continue
+        if with_zygote and not head.solo:
+          head.solo = True
+          suspects.append(head)
+        else:
+          record(head, error=f"{message}; run alone, it took the zygote down" if with_zygote else message,
+                 kind=kind)
 
-    while pending or any(w.queue for w in workers):
-      now = time.monotonic()
-      if now >= deadline:
-        break
-      for w in workers:  # top up workers' queues, so they never wait for the next chunk
-        if len(w.queue) > _REFILL_BELOW or not pending:
-          continue
-        if not w.alive:
-          try:
-            self._spawn(w)
-          except Exception as e:  # noqa: BLE001 - counted below as items that could not run
-            log.error("cannot start a verifier worker: %s", e)
-            continue
-          counts["restarts"] += 1
-        size = max(1, min(_MAX_CHUNK, len(pending) // (2 * len(workers))))
-        chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
+    def dispatch(w: _Worker, chunk: list[_Task]) -> bool:
+      if w.alive and not w.queue and w.conn.hung_up():
+        self._kill(w, "worker exited while idle")
+      if not w.alive:
         try:
-          w.conn.send([self._payload(t, completions, examples, tokens, step) for t in chunk])
-        except (OSError, EOFError, BrokenPipeError):
-          pending.extendleft(reversed(chunk))
-          self._kill(w, "send failed")
-          continue
-        if not w.queue:
-          w.deadline = time.monotonic() + chunk[0].timeout
-        w.queue.extend(chunk)
-      for w in workers:
-        if w.queue and w.conn is None:  # defensive: a worker lost without its items accounted
-          fail_head(w, "crashes", "worker connection lost")
+          self._spawn(w)
+        except Exception as e:  # noqa: BLE001 - counted below as items that could not run
+          log.error("cannot start a verifier worker: %s", e)
+          return False
+        counts["restarts"] += 1
+      w.conn.queue([self._payload(t, completions, examples, tokens, step) for t in chunk])
+      if not w.queue:
+        w.deadline = time.monotonic() + chunk[0].timeout
+      w.queue.extend(chunk)
+      return True
+
+    while pending or suspects or any(w.queue for w in workers):
+      if time.monotonic() >= deadline:
+        break
+      if suspects or any(t.solo for w in workers for t in w.queue):
+        # One suspect at a time, on an otherwise idle pool, so that a second death is its own.
+        if suspects and not any(w.queue for w in workers):
+          t = suspects.popleft()
+          if not any(dispatch(w, [t]) for w in workers):
+            record(t, error="no verifier worker could be started", kind="crashes")
+      else:
+        for w in workers:  # top up workers' queues, so they never wait for the next chunk
+          if len(w.queue) > _REFILL_BELOW or not pending:
+            continue
+          size = max(1, min(_MAX_CHUNK, len(pending) // (2 * len(workers))))
+          chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
+          if not dispatch(w, chunk):
+            pending.extendleft(reversed(chunk))
       busy = [w for w in workers if w.queue]
       if not busy:
-        if pending and not any(w.alive for w in workers):
+        if (pending or suspects) and not any(w.alive for w in workers):
           # No worker could be started: fail what is left rather than spin.
-          while pending:
-            record(pending.popleft(), error="no verifier worker could be started", kind="crashes")
+          for t in [*pending, *suspects]:
+            record(t, error="no verifier worker could be started", kind="crashes")
+          pending.clear()
+          suspects.clear()
         continue
-      wake = min([w.deadline for w in busy] + [deadline])
-      ready = wait([w.conn for w in busy], timeout=max(0.0, wake - time.monotonic()))
-      ready_ids = {id(c) for c in ready}
       for w in busy:
-        if id(w.conn) in ready_ids:
-          self._drain(w, record, fail_head, pending)
+        try:
+          w.conn.flush()
+        except _Lost as e:
+          lose(w, "crashes", f"worker process died ({e})")
+      busy = [w for w in busy if w.alive]
+      wake = min([w.deadline for w in busy] + [deadline])
+      poller = select.poll()
+      for w in busy:
+        poller.register(w.conn.fileno(), select.POLLIN | (select.POLLOUT if w.conn.outbox else 0))
+      ready = {fd for fd, _ in poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000)))}
+      for w in busy:
+        if w.alive and w.conn.fileno() in ready:
+          self._drain(w, record, lose, pending)
       now = time.monotonic()
       for w in workers:
         if w.queue and now >= w.deadline:
-          head = w.queue[0]
-          fail_head(w, "timeouts", f"timed out after {head.timeout:.1f}s")
+          lose(w, "timeouts", f"timed out after {w.queue[0].timeout:.1f}s")
 
     # Batch deadline: whatever is unfinished gets the fallback.
+    missed = f"batch deadline of {self.spec.batch_deadline_s:.0f}s passed"
     for w in workers:
       if w.queue:
         while w.queue:
-          record(w.queue.popleft(), error=f"batch deadline of {self.spec.batch_deadline_s:.0f}s passed",
-                 kind="deadline_misses")
+          record(w.queue.popleft(), error=missed, kind="deadline_misses")
         self._kill(w, "batch deadline")
-    while pending:
-      record(pending.popleft(), error=f"batch deadline of {self.spec.batch_deadline_s:.0f}s passed",
-             kind="deadline_misses")
+    for t in [*pending, *suspects]:
+      record(t, error=missed, kind="deadline_misses")
 
-  def _drain(self, w: _Worker, record, fail_head, pending: collections.deque) -> None:
-    """Reads every reply the worker has sent; handles its death."""
-    while w.conn is not None and w.queue:
-      try:
-        if not w.conn.poll():
-          return
-        tid, status, value, retire = w.conn.recv()
-      except (EOFError, OSError, pickle.UnpicklingError, ValueError, TypeError) as e:
-        fail_head(w, "crashes", f"worker process died ({type(e).__name__}; e.g. a segfault, os._exit or the "
-                  "kernel's OOM killer)")
+  def _drain(self, w: _Worker, record, lose, pending: collections.deque) -> None:
+    """Handles every complete reply the worker has sent, then its death if it died. Never
+    blocks: half a frame stays buffered until the rest comes or the task times out."""
+    replies, ended = w.conn.read()
+    for reply in replies:
+      if not w.queue:
+        lose(w, "crashes", "worker sent a reply nobody asked for")
         return
-      head = w.queue.popleft()
-      if head.tid != tid:  # cannot happen with an ordered stream; be safe
-        w.queue.appendleft(head)
-        fail_head(w, "crashes", "worker protocol out of sync")
+      head = w.queue[0]
+      if not (isinstance(reply, tuple) and len(reply) == 4 and reply[0] == head.tid):
+        lose(w, "crashes", "worker protocol out of sync")
         return
+      w.queue.popleft()
+      _, status, value, retire = reply
       if status == "ok":
         record(head, value)
       else:
-        record(head, error=value, kind="errors")
+        record(head, error=str(value), kind="errors")
       if retire:  # the worker exits after a MemoryError; give its other tasks to others
         pending.extendleft(reversed(list(w.queue)))
         w.queue.clear()
@@ -502,6 +629,26 @@ class RewardPool:
         return
       if w.queue:
         w.deadline = time.monotonic() + w.queue[0].timeout
+    if ended is not None and w.alive:
+      if w.queue and ended.startswith("corrupt"):
+        lose(w, "crashes", f"worker wrote a {ended} onto its socket")
+      elif w.queue:
+        lose(w, "crashes", f"worker process died ({ended}; e.g. a segfault, os._exit or the kernel's OOM killer)")
+      else:
+        self._kill(w, f"worker exited ({ended})")
+
+
+def _bad_results(results: Any, n: int) -> str | None:
+  """Why a worker's results for n items are unusable (None when they are fine)."""
+  if not isinstance(results, list) or len(results) != n:
+    return f"malformed reply: expected {n} results"
+  for r in results:
+    if not (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], float) and
+            (r[1] is None or isinstance(r[1], dict))):
+      return "malformed reply: expected (score, info) pairs"
+    if not math.isfinite(r[0]) or abs(r[0]) > FLOAT32_MAX:
+      return f"score {r[0]} is not finite in float32"
+  return None
 
 
 _LIVE_POOLS: "weakref.WeakSet[RewardPool]" = weakref.WeakSet()

@@ -1,23 +1,29 @@
 """Running untrusted Python code in a subprocess sandbox (no cgroups, no containers).
 
-Each run gets a fresh temp dir (its cwd, HOME and TMPDIR) and a fresh Python
-interpreter started with -I -S -B, with:
+Each run gets a fresh temp dir (its cwd and HOME) and a fresh Python interpreter started
+with -I -S -B, with:
   * resource limits: CPU time, address space, processes, file size, open files, no core;
   * its own session (process group), SIGKILLed as a whole on timeout;
+  * namespaces, where the kernel allows them (as root, or without root through an
+    unprivileged user namespace): a mount namespace whose root is a fresh tmpfs with only
+    the system directories (/usr, /etc, /lib*, /bin, /sbin and the interpreter's prefix)
+    bound read-only, a private /tmp and /dev/shm, a minimal /dev and its own /proc; the
+    user's home, the project tree and the host's /tmp are not there at all. A new network
+    namespace (no network: 127.0.0.1 included) and a new PID namespace whose init ends the
+    run: when it exits, the kernel kills every process left in it, setsid'd daemons too;
   * when running as root: a private, unused uid/gid (different per worker) with no
     supplementary groups, so it cannot read files that are not world-readable, cannot
     signal other processes, and RLIMIT_NPROC caps its processes; after the run every
-    process of that uid is killed (kill(-1) as that uid), which also catches
-    descendants that left the process group;
-  * when running as root: an empty network namespace (no network, loopback down);
+    process of that uid is killed (kill(-1) as that uid);
   * no_new_privs (setuid binaries cannot raise privileges) and SIGKILL on parent death;
   * stdout/stderr written to files capped by RLIMIT_FSIZE and read back truncated.
 
-Not isolated: world-readable files (system libraries, /etc, ...) can be read; /tmp and
-other world-writable places can be written (bounded per file by RLIMIT_FSIZE); CPU and
-memory bandwidth are shared; without root there is no uid switch and no network
-namespace (the code runs as the calling user with the rlimits only, and RLIMIT_NPROC
-counts all of that user's processes, so the code can usually not fork at all).
+Where no namespace can be created (e.g. a container whose seccomp profile forbids them, or
+kernel.unprivileged_userns_clone=0) the sandbox says so once, loudly, and falls back: as
+root to the uid switch and a network namespace alone, without root to the rlimits and the
+process-group kill only. `isolation().isolated` tells which; RewardSpec's
+`sandbox.require_isolation` turns the fallback into an error. docs/rewards.md has the
+table of what sandboxed code can and cannot do, with the test that checks each row.
 """
 from __future__ import annotations
 
@@ -94,6 +100,13 @@ class Isolation:
   uid_switch: bool
   network_namespace: bool
   note: str = ""
+  namespaces: bool = False      # mount + PID (+ IPC, UTS) namespaces: private root, whole-tree kill
+  user_namespace: bool = False  # the namespaces come from an unprivileged user namespace (not root)
+
+  @property
+  def isolated(self) -> bool:
+    """Whether model code is cut off from the network and from the user's files (see the module doc)."""
+    return self.network_namespace and (self.namespaces or self.uid_switch)
 
 
 _isolation: Isolation | None = None
@@ -132,14 +145,182 @@ def become_subreaper() -> bool:
 # the caller is single-threaded (pool workers), or by a launcher interpreter that then execs
 # the sandboxed one when the caller has threads (e.g. a JAX process), where running Python
 # between fork and exec is unsafe.
-_CONFINE_SRC = """
-import ctypes, os, resource
+#
+# With namespaces the process that called confine() (C, the Popen child) unshares them and
+# forks twice: C -> init (PID 1 of the new PID namespace: builds the private root, then only
+# reaps) -> the program (PID 2, returns from confine() and execs). C waits for init and
+# exits the way the program did (init passes the program's wait status through a pipe:
+# PID 1 cannot kill itself with a signal), so Popen sees the program's return code. Killing
+# C's process group kills all three; when init dies the kernel kills the rest of the
+# namespace, however the program detached its children.
+_CONFINE_SRC = r"""
+import ctypes, os, platform, resource, signal, struct
 
-def confine(uid, rlimits, netns):
+_NEWNS, _NEWUTS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = (0x00020000, 0x04000000, 0x08000000, 0x10000000,
+                                                        0x20000000, 0x40000000)
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41}.get(platform.machine())
+_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE = 442, -100, 0x8000
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+def _ok(ret, what):
+  if ret != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(libc, src, dst, fstype, flags, data=None):
+  enc = lambda s: None if s is None else s.encode()
+  _ok(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {dst}")
+
+
+def _readonly(libc, path):
+  # The whole bound tree read-only (mount_setattr, Linux 5.12+); else just its top mount,
+  # keeping the flags that a user namespace may not clear.
+  attr = ctypes.create_string_buffer(struct.pack("QQQQ", 0x1 | 0x2, 0, 0, 0))  # RDONLY | NOSUID
+  if libc.syscall(_MOUNT_SETATTR, _AT_FDCWD, path.encode(), _AT_RECURSIVE, attr, 32) == 0:
+    return
+  locked = 0
+  st = os.statvfs(path).f_flag
+  for st_bit, ms_bit in ((2, _MS_NOSUID), (4, _MS_NODEV), (8, _MS_NOEXEC), (1024, 1024), (2048, 2048),
+                         (4096, 1 << 21)):
+    if st & st_bit:
+      locked |= ms_bit
+  _mount(libc, None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | locked)
+
+
+def _build_root(libc, plan):
+  new = plan["root"]
+  _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
+  _mount(libc, "tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
+  for src in plan["binds"]:
+    dst = new + src
+    if os.path.islink(src):
+      os.makedirs(os.path.dirname(dst), exist_ok=True)
+      os.symlink(os.readlink(src), dst)
+    elif os.path.isdir(src):
+      os.makedirs(dst, exist_ok=True)
+      _mount(libc, src, dst, None, _MS_BIND | _MS_REC)
+      _readonly(libc, dst)
+  scratch = f"size={plan['tmp_mb']}m,mode=1777"
+  os.mkdir(new + "/tmp")
+  _mount(libc, "tmpfs", new + "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
+  os.mkdir(new + "/sandbox")
+  _mount(libc, plan["work"], new + "/sandbox", None, _MS_BIND)
+  dev = new + "/dev"
+  os.mkdir(dev)
+  _mount(libc, "tmpfs", dev, "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,mode=755")
+  for name in _DEVICES:
+    if os.path.exists("/dev/" + name):
+      open(f"{dev}/{name}", "w").close()
+      _mount(libc, "/dev/" + name, f"{dev}/{name}", None, _MS_BIND)
+  for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                       ("stderr", "/proc/self/fd/2")):
+    os.symlink(target, f"{dev}/{name}")
+  os.mkdir(dev + "/shm")
+  _mount(libc, "tmpfs", dev + "/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
+  os.mkdir(new + "/proc")
+  try:
+    _mount(libc, "proc", new + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+  except OSError:
+    pass  # e.g. inside a container with masked /proc paths: the program runs without /proc
+  _mount(libc, None, new, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+  os.chdir(new)
+  if _PIVOT_ROOT is not None:
+    _ok(libc.syscall(_PIVOT_ROOT, b".", b"."), "pivot_root")
+    _ok(libc.umount2(b".", 2), "umount the old root")  # MNT_DETACH
+  else:
+    _ok(libc.chroot(b"."), "chroot")
+  os.chdir("/sandbox")
+
+
+def _close_fds_but(keep):
+  top = os.sysconf("SC_OPEN_MAX")
+  os.closerange(3, keep)
+  os.closerange(keep + 1, top)
+
+
+def _exit_like(status):
+  if os.WIFSIGNALED(status):
+    sig = os.WTERMSIG(status)
+    try:
+      resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+      signal.signal(sig, signal.SIG_DFL)
+      signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+    except (OSError, ValueError):
+      pass
+    os.kill(os.getpid(), sig)
+    os._exit(128 + sig)
+  os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+def _wait_for(pid):
+  while True:
+    try:
+      return os.waitpid(pid, 0)[1]
+    except InterruptedError:
+      continue
+    except ChildProcessError:
+      return 1 << 8
+
+
+def _relay(libc, init, r, w):
+  # C: wait for init, then exit the way the program did.
+  os.close(w)
+  _close_fds_but(r)  # Popen's error pipe among them: Popen returns once the program execs
+  status = _wait_for(init)
+  data = os.read(r, 4)
+  _exit_like(struct.unpack("i", data)[0] if len(data) == 4 else status)
+
+
+def _init(program, w):
+  # PID 1: reap everything; when the program exits, report its status and end the namespace.
+  _close_fds_but(w)
+  while True:
+    try:
+      pid, status = os.waitpid(-1, 0)
+    except InterruptedError:
+      continue
+    except ChildProcessError:
+      os._exit(1)
+    if pid == program:
+      os.write(w, struct.pack("i", status))
+      os._exit(0)
+
+
+def _enter_namespaces(libc, plan):
+  uid, gid = os.getuid(), os.getgid()
+  flags = _NEWNS | _NEWPID | _NEWIPC | _NEWUTS | (_NEWNET if plan["netns"] else 0)
+  if plan["userns"]:
+    flags |= _NEWUSER
+  _ok(libc.unshare(flags), "unshare")
+  if plan["userns"]:
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+      with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+  r, w = os.pipe()
+  init = os.fork()
+  if init:
+    _relay(libc, init, r, w)
+  os.close(r)
+  libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL: init dies with C
+  _build_root(libc, plan)
+  program = os.fork()
+  if program:
+    _init(program, w)
+  os.close(w)
+
+
+def confine(plan):
   libc = ctypes.CDLL(None, use_errno=True)
-  if netns and libc.unshare(0x40000000) != 0:  # CLONE_NEWNET
-    raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed")
-  for name, soft, hard in rlimits:
+  libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL
+  if plan["namespaces"]:
+    _enter_namespaces(libc, plan)
+  elif plan["netns"]:
+    _ok(libc.unshare(_NEWNET), "unshare(CLONE_NEWNET)")
+  for name, soft, hard in plan["rlimits"]:
     which = getattr(resource, name)
     try:
       resource.setrlimit(which, (soft, hard))
@@ -147,22 +328,27 @@ def confine(uid, rlimits, netns):
       cap = resource.getrlimit(which)[1]
       if cap != resource.RLIM_INFINITY:
         resource.setrlimit(which, (min(soft, cap), min(hard, cap)))
+  uid = plan["uid"]
   if uid is not None:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
   libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-  libc.prctl(1, 9, 0, 0, 0)   # PR_SET_PDEATHSIG = SIGKILL (set after the uid change, which clears it)
+  libc.prctl(1, 9, 0, 0, 0)   # PR_SET_PDEATHSIG again: fork and the uid change clear it
 """
 _LAUNCHER_SRC = _CONFINE_SRC + """
 import json, sys
-spec = json.loads(sys.argv[1])
-confine(spec["uid"], spec["rlimits"], spec["netns"])
-os.execv(spec["argv"][0], spec["argv"])
+plan = json.loads(sys.argv[1])
+confine(plan)
+os.execv(plan["argv"][0], plan["argv"])
 """
 _confine_ns: dict[str, Any] = {}
 exec(compile(_CONFINE_SRC, "<rljax sandbox confine>", "exec"), _confine_ns)  # noqa: S102 - our own constant
 confine = _confine_ns["confine"]
+
+# Bound read-only into the private root (when present); the interpreter's prefix is added.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+_SANDBOX_HOME = "/sandbox"
 
 
 def _rlimits(limits: SandboxLimits) -> list[tuple[str, int, int]]:
@@ -172,6 +358,22 @@ def _rlimits(limits: SandboxLimits) -> list[tuple[str, int, int]]:
           ("RLIMIT_FSIZE", int(limits.file_size_mb) << 20, int(limits.file_size_mb) << 20),
           ("RLIMIT_NOFILE", int(limits.open_files), int(limits.open_files)),
           ("RLIMIT_NPROC", int(limits.max_processes), int(limits.max_processes))]
+
+
+def _binds(python: str) -> list[str]:
+  """The host directories visible (read-only) in the private root: system dirs and the
+  interpreter's install prefix (<prefix>/bin/python3.x)."""
+  out = [d for d in _SYSTEM_DIRS if os.path.lexists(d)]
+  prefix = os.path.dirname(os.path.dirname(python))
+  if prefix not in ("", "/") and not any(prefix == d or prefix.startswith(d + "/") for d in out):
+    out.append(prefix)
+  return out
+
+
+def _plan(python: str, uid: int | None, limits: SandboxLimits, *, netns: bool, namespaces: bool,
+          userns: bool, work: str = "", root: str = "") -> dict[str, Any]:
+  return {"uid": uid, "rlimits": _rlimits(limits), "netns": netns, "namespaces": namespaces, "userns": userns,
+          "work": work, "root": root, "binds": _binds(python), "tmp_mb": max(4, 2 * int(limits.file_size_mb))}
 
 
 def _single_threaded() -> bool:
@@ -186,19 +388,18 @@ def _single_threaded() -> bool:
   return threading.active_count() == 1
 
 
-def _popen(argv: list[str], uid: int | None, limits: SandboxLimits, netns: bool, **kwargs) -> subprocess.Popen:
+def _popen(argv: list[str], plan: dict[str, Any], **kwargs) -> subprocess.Popen:
   """Starts `argv` confined (see _CONFINE_SRC) in a new session."""
-  rlimits = _rlimits(limits)
   if _single_threaded():
-    return subprocess.Popen(argv, start_new_session=True, close_fds=True,
-                            preexec_fn=lambda: confine(uid, rlimits, netns), **kwargs)
-  spec = json.dumps({"uid": uid, "rlimits": rlimits, "netns": netns, "argv": argv})
+    return subprocess.Popen(argv, start_new_session=True, close_fds=True, preexec_fn=lambda: confine(plan),
+                            **kwargs)
+  spec = json.dumps({**plan, "argv": argv})
   return subprocess.Popen([argv[0], "-I", "-S", "-B", "-c", _LAUNCHER_SRC, spec], start_new_session=True,
                           close_fds=True, **kwargs)
 
 
-def _env(home: str) -> dict[str, str]:
-  return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
+def _env(home: str, tmp: str) -> dict[str, str]:
+  return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": tmp, "LANG": "C.UTF-8",
           "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0",
           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
@@ -216,48 +417,82 @@ def _python_candidates() -> list[str]:
   return out
 
 
-def _probe_run(python: str, uid: int | None, netns: bool) -> bool:
+_PROBE = "import os\nprint(os.getuid(), os.getpid(), os.getcwd())"
+
+
+def _probe_run(python: str, uid: int | None, netns: bool, namespaces: bool = False) -> bool:
+  """Whether `python` runs confined this way here (and, with namespaces, inside them)."""
   limits = SandboxLimits(timeout_s=10.0, memory_mb=1024)
+  userns = namespaces and os.geteuid() != 0
+  work = tempfile.mkdtemp(prefix=f"rljax-sbx-{os.getpid()}-")
+  root = work + ".root"
   try:
-    proc = _popen([python, "-I", "-S", "-B", "-c", "import os; print(os.getuid())"], uid, limits, netns,
-                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
-                  env=_env("/"))
-    out, _ = proc.communicate(timeout=20)
+    os.mkdir(root, 0o700)
+    if uid is not None:
+      os.chown(work, uid, uid)
+    plan = _plan(python, uid, limits, netns=netns, namespaces=namespaces, userns=userns, work=work, root=root)
+    proc = _popen([python, "-I", "-S", "-B", "-c", _PROBE], plan, stdin=subprocess.DEVNULL,
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work, env=_env(work, work))
+    try:
+      out, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+      return False
   except (OSError, subprocess.SubprocessError):
     return False
-  expected = str(uid if uid is not None else os.getuid())
-  return proc.returncode == 0 and out.decode(errors="replace").strip() == expected
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
+  expected = [str(uid if uid is not None else os.getuid())]
+  if namespaces:
+    expected += ["2", _SANDBOX_HOME]
+  return proc.returncode == 0 and out.decode(errors="replace").split()[:len(expected)] == expected
+
+
+def _probe() -> Isolation:
+  candidates = _python_candidates()
+  first = candidates[0] if candidates else sys.executable
+  root = os.geteuid() == 0
+  uid = allocate_uid() if root else None
+  levels = []  # (uid, netns, namespaces), most isolated first
+  if sys.platform.startswith("linux"):
+    levels.append((uid, True, True))
+  if root:
+    levels += [(uid, True, False), (uid, False, False)]
+  for level_uid, netns, namespaces in levels:
+    for py in candidates:
+      if _probe_run(py, level_uid, netns, namespaces):
+        return Isolation(py, level_uid is not None, netns, namespaces=namespaces,
+                         user_namespace=namespaces and not root)
+  if root:
+    return Isolation(first, False, False, "no interpreter runs as an unprivileged uid (set RLJAX_SANDBOX_PYTHON "
+                     "to one in a world-readable location); sandboxed code runs as root with rlimits only")
+  return Isolation(first, False, False, "no user namespace can be created here (check "
+                   "/proc/sys/user/max_user_namespaces, kernel.unprivileged_userns_clone, the container's seccomp "
+                   "profile or AppArmor's apparmor_restrict_unprivileged_userns): sandboxed code runs as this user "
+                   "with rlimits and a process-group kill only; it can read your files, write into the project "
+                   "and use the network")
 
 
 def isolation() -> Isolation:
-  """Probes (once) which interpreter to use and whether uid switching and network
-  namespaces work here."""
+  """Probes (once per process) which interpreter to use and how far runs can be isolated;
+  says so loudly when model code would not be isolated."""
   global _isolation
   with _isolation_lock:
     if _isolation is not None:
       return _isolation
-    candidates = _python_candidates()
-    result = None
-    if os.geteuid() == 0:
-      uid = allocate_uid()
-      for netns in (True, False):
-        for py in candidates:
-          if _probe_run(py, uid, netns):
-            result = Isolation(py, True, netns)
-            break
-        if result:
-          break
-      if result is None:
-        result = Isolation(candidates[0], False, False,
-                           "no interpreter runs as an unprivileged uid (set RLJAX_SANDBOX_PYTHON to one in a "
-                           "world-readable location); sandboxed code runs as root with rlimits only")
-        log.warning("sandbox: %s", result.note)
-      elif not result.network_namespace:
-        result = dataclasses.replace(result, note="unshare(CLONE_NEWNET) failed; sandboxed code has network")
-        log.warning("sandbox: %s", result.note)
-    else:
-      result = Isolation(candidates[0], False, False,
-                         "not root: no uid switch and no network namespace; rlimits and process-group kill only")
+    result = _probe()
+    if result.isolated and not result.namespaces:
+      result = dataclasses.replace(result, note="no mount/PID namespace: world-readable files and /tmp are "
+                                   "shared with the host; the private uid and the network namespace remain")
+    elif result.uid_switch and not result.network_namespace:
+      result = dataclasses.replace(result, note="unshare(CLONE_NEWNET) failed; sandboxed code has network")
+    if not result.isolated:
+      log.warning("SANDBOX NOT ISOLATED: %s. Set rewards.sandbox.require_isolation=True to refuse to run "
+                  "like this.", result.note)
+    elif result.note:
+      log.warning("sandbox: %s", result.note)
     _isolation = result
     return result
 
@@ -284,10 +519,13 @@ def kill_uid(uid: int | None) -> None:
         os._exit(0)
     os.waitpid(pid, 0)
     return
+  iso = _isolation
+  if iso is None or iso.namespaces:  # the run's PID namespace already took its processes down
+    return
   # Threads exist (e.g. inside a JAX process): fork+exec instead of a bare fork.
   code = "import os\nfor _ in range(2):\n  try: os.kill(-1, 9)\n  except OSError: break\n"
   try:
-    subprocess.run([isolation().python, "-I", "-S", "-c", code], user=uid, group=uid, extra_groups=[],
+    subprocess.run([iso.python, "-I", "-S", "-c", code], user=uid, group=uid, extra_groups=[],
                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
   except (OSError, subprocess.SubprocessError) as e:
     log.warning("sandbox: could not kill the processes of uid %d: %s", uid, e)
@@ -346,6 +584,7 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
     uid = _WORKER_UID if _WORKER_UID is not None else allocate_uid()
   netns = iso.network_namespace and not limits.network
   tmp = tempfile.mkdtemp(prefix=f"rljax-sbx-{os.getpid()}-")
+  root = tmp + ".root"  # the mount point of the private root (empty on the host)
   start = time.monotonic()
   proc = None
   try:
@@ -358,15 +597,22 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
     if uid is not None:
       os.chown(tmp, uid, uid)
     os.chmod(tmp, 0o700)
-    # stdout/stderr/stdin live outside the program's directory listing: root-owned fds.
+    if iso.namespaces:
+      os.mkdir(root, 0o700)
+      home, scratch = _SANDBOX_HOME, "/tmp"
+    else:
+      home = scratch = tmp
+    plan = _plan(iso.python, uid, limits, netns=netns, namespaces=iso.namespaces, userns=iso.user_namespace,
+                 work=tmp, root=root)
+    # stdout/stderr/stdin live outside the program's directory listing: unlinked files.
     with tempfile.TemporaryFile(dir=tmp) as fin, tempfile.TemporaryFile(dir=tmp) as fout, \
         tempfile.TemporaryFile(dir=tmp) as ferr:
       fin.write(stdin.encode("utf-8", errors="replace"))
       fin.seek(0)
       timed_out = False
       try:
-        proc = _popen([iso.python, "-I", "-S", "-B", "main.py"], uid, limits, netns, stdin=fin, stdout=fout,
-                      stderr=ferr, cwd=tmp, env=_env(tmp))
+        proc = _popen([iso.python, "-I", "-S", "-B", "main.py"], plan, stdin=fin, stdout=fout, stderr=ferr,
+                      cwd=tmp, env=_env(home, scratch))
         try:
           proc.wait(timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
@@ -382,9 +628,13 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
                          timed_out=timed_out, duration_s=duration, truncated=t1 or t2, stdout_tail=tail)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.isdir(root):
+      os.rmdir(root)
 
 
 def _kill_tree(proc: subprocess.Popen, uid: int | None) -> None:
+  """SIGKILLs the run's process group (with namespaces: C, init and the program, so the
+  kernel ends the PID namespace) and, as root, every process of its uid."""
   try:
     os.killpg(proc.pid, signal.SIGKILL)
   except (ProcessLookupError, PermissionError):
@@ -401,4 +651,5 @@ def describe() -> dict[str, Any]:
   """Isolation facts for logs and docs."""
   iso = isolation()
   return {"python": iso.python, "uid_switch": iso.uid_switch, "network_namespace": iso.network_namespace,
+          "namespaces": iso.namespaces, "user_namespace": iso.user_namespace, "isolated": iso.isolated,
           "root": os.geteuid() == 0, "note": iso.note}

@@ -23,6 +23,7 @@ from rljax.errors import ConfigError
 from rljax.rewards.base import Verifier, get_verifier
 
 WeightLike = float | int | Mapping[str, Any] | Callable[[int], float]
+SANDBOX_DEFAULTS = {"require_isolation": False}
 
 _SCHEDULE_FIELDS = {
     "constant": {"type", "value"},
@@ -141,6 +142,9 @@ class RewardSpec:
       isolation, no timeouts: for debugging only).
     max_memory_mb: address-space limit of each worker process (RLIMIT_AS).
     max_logged_errors: error messages logged per pool (later ones are only counted).
+    sandbox: options of the code sandbox (rljax/rewards/sandbox.py): require_isolation=True
+      makes a pool whose verifiers run model code refuse to start where the sandbox cannot
+      isolate it (no namespaces and no root); by default it only warns, once, loudly.
   """
   components: list[Any] = dataclasses.field(default_factory=list)
   timeout_s: float = 5.0
@@ -149,6 +153,7 @@ class RewardSpec:
   num_workers: int = 2
   max_memory_mb: int = 2048
   max_logged_errors: int = 10
+  sandbox: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(SANDBOX_DEFAULTS))
 
   def __post_init__(self):
     if isinstance(self.components, Mapping) or not isinstance(self.components, Sequence):
@@ -156,6 +161,10 @@ class RewardSpec:
                         f"{type(self.components).__name__}.")
     self.components = [c if isinstance(c, ComponentSpec) else ComponentSpec.from_dict(c, i)
                        for i, c in enumerate(self.components)]
+    if self.sandbox is None:
+      self.sandbox = {}
+    if isinstance(self.sandbox, Mapping):
+      self.sandbox = {**SANDBOX_DEFAULTS, **self.sandbox}
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> RewardSpec:
@@ -209,6 +218,15 @@ class RewardSpec:
       raise ConfigError(f"rewards.num_workers must be an int >= 0 (0 = in-process), got {self.num_workers!r}.")
     if isinstance(self.max_memory_mb, bool) or not isinstance(self.max_memory_mb, int) or self.max_memory_mb < 256:
       raise ConfigError(f"rewards.max_memory_mb must be an int >= 256, got {self.max_memory_mb!r}.")
+    if not isinstance(self.sandbox, Mapping):
+      raise ConfigError(f"rewards.sandbox must be a dict, got {type(self.sandbox).__name__}.")
+    unknown = set(self.sandbox) - set(SANDBOX_DEFAULTS)
+    if unknown:
+      raise ConfigError(f"rewards.sandbox: unknown field(s) {sorted(unknown)}; known fields are "
+                        f"{sorted(SANDBOX_DEFAULTS)}.")
+    if not isinstance(self.sandbox["require_isolation"], bool):
+      raise ConfigError(f"rewards.sandbox.require_isolation must be a bool, got "
+                        f"{self.sandbox['require_isolation']!r}.")
     names = [c.name for c in self.components]
     for i, c in enumerate(self.components):
       where = f"rewards.components[{i}]"

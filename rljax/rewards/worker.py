@@ -8,12 +8,20 @@ interpreter start, which keeps replacing crashed or killed workers cheap.
 Control protocol (SOCK_SEQPACKET, pickled tuples, parent <-> zygote):
   zygote -> parent  ("ready", pid, address_space_mb) | ("error", message)   once, after start-up
   parent -> zygote  ("spawn", worker_id, uid)  -> ("spawned", worker_id, pid) + the worker's socket fd
-                    ("kill", pid, uid)         SIGKILL the worker's process group and uid (no reply)
-                    ("exit",)                  kill every worker, then exit
-Worker protocol (multiprocessing Connection over a socketpair, parent <-> worker):
+                    ("kill", pid, uid)         SIGKILL the worker, its processes and its uid (no reply)
+                    ("exit",)                  kill every worker and every process they left, then exit
+Worker protocol (frames over a stream socketpair, parent <-> worker; see encode_frame):
   parent -> worker  [(task_id, component_index, completions, examples, num_tokens, step), ...] | None
   worker -> parent  (task_id, "ok", [(score, info), ...], retire) | (task_id, "error", message, retire)
   one reply per task, in order; `retire` asks the parent to replace the worker (after a MemoryError).
+
+What a verifier cannot do to the pool:
+  * print: a worker's stdout and stderr are /dev/null (errors come back in replies);
+  * leave processes behind: the worker is a subreaper and, after every item, SIGKILLs every
+    descendant it has (double-forked, setsid'd ones included: they are re-parented to it);
+    the zygote, a subreaper too, kills whatever a dead worker left;
+  * reply twice: a forked copy of the worker that returns from the verifier exits without
+    sending (only the worker's own pid speaks the protocol).
 """
 from __future__ import annotations
 
@@ -25,7 +33,9 @@ import resource
 import select
 import signal
 import socket
+import struct
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -33,6 +43,10 @@ from rljax.rewards.base import normalize_result
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_HEADER = struct.Struct("!Q")
+MAX_FRAME = 1 << 30       # a longer frame is a corrupted stream
+MAX_REPLY = 64 << 20      # replies above this lose their info dicts
+_SWEEP_S = 2.0            # time to spend killing a verifier's leftover processes
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -40,6 +54,107 @@ def _prctl(option: int, value: int) -> bool:
     return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
   except (OSError, AttributeError):
     return False
+
+
+def encode_frame(obj: Any) -> bytes:
+  """A frame: the pickled object's length (8 bytes, big-endian), then the pickle."""
+  data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+  return _HEADER.pack(len(data)) + data
+
+
+def split_frames(buf: bytearray, max_size: int = MAX_FRAME) -> tuple[list[bytes], str | None]:
+  """Removes every complete frame from the front of `buf`: their payloads, and why the
+  stream is corrupt (None while it is not): a header announcing more than max_size bytes."""
+  out = []
+  while len(buf) >= _HEADER.size:
+    (n,) = _HEADER.unpack_from(buf)
+    if n > max_size:
+      return out, f"a frame of {n} bytes announced"
+    end = _HEADER.size + n
+    if len(buf) < end:
+      break
+    out.append(bytes(buf[_HEADER.size:end]))
+    del buf[:end]
+  return out, None
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+  chunks, left = [], n
+  while left:
+    chunk = sock.recv(min(left, 1 << 20))
+    if not chunk:
+      raise EOFError
+    chunks.append(chunk)
+    left -= len(chunk)
+  return b"".join(chunks)
+
+
+def recv_frame(sock: socket.socket) -> Any:
+  """Blocking read of one frame (the worker's side)."""
+  (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+  if n > MAX_FRAME:
+    raise EOFError(f"frame of {n} bytes announced")
+  return pickle.loads(_recv_exact(sock, n))
+
+
+def _proc_table() -> dict[int, tuple[int, bytes]]:
+  """pid -> (ppid, state) of every process visible in /proc."""
+  table = {}
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat", "rb") as f:
+        stat = f.read()
+    except OSError:
+      continue
+    fields = stat[stat.rindex(b")") + 2:].split()
+    table[int(entry)] = (int(fields[1]), fields[0])
+  return table
+
+
+def descendants(root: int, table: dict[int, tuple[int, bytes]] | None = None) -> list[int]:
+  """Live (non-zombie) descendants of `root`."""
+  table = _proc_table() if table is None else table
+  children: dict[int, list[int]] = {}
+  for pid, (ppid, _) in table.items():
+    children.setdefault(ppid, []).append(pid)
+  found, frontier = [], [root]
+  while frontier:
+    for pid in children.get(frontier.pop(), ()):
+      found.append(pid)
+      frontier.append(pid)
+  return [pid for pid in found if table[pid][1] != b"Z"]
+
+
+def _reap_any() -> bool:
+  """Reaps dead children; whether any child (alive) is left."""
+  while True:
+    try:
+      pid, _ = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+      return False
+    if pid == 0:
+      return True
+
+
+def kill_descendants(budget_s: float = _SWEEP_S) -> int:
+  """SIGKILLs and reaps every descendant of this process, which must be a subreaper (so
+  that double-forked, setsid'd processes are re-parented to it, not to init); returns how
+  many were killed. Costs one waitpid when there are none."""
+  me, killed = os.getpid(), 0
+  deadline = time.monotonic() + budget_s
+  while _reap_any():
+    for pid in descendants(me):
+      try:
+        os.kill(pid, signal.SIGKILL)
+        killed += 1
+      except (ProcessLookupError, PermissionError):
+        pass
+    if time.monotonic() > deadline:
+      break
+    time.sleep(0.001)
+  return killed
 
 
 def describe_exception(e: BaseException, limit: int = 400) -> str:
@@ -78,14 +193,31 @@ def call_verifier(verifier, kwargs: dict[str, Any], completions: list[str], exam
   return [normalize_result(v) for v in out]
 
 
-def _worker_main(sock: socket.socket, uid: int | None, setup: dict[str, Any], zygote_pid: int) -> None:
-  from multiprocessing.connection import Connection
+def _encode_reply(reply: tuple) -> bytes:
+  """The reply's frame; info dicts are dropped when they do not pickle or are too large."""
+  try:
+    frame = encode_frame(reply)
+    if len(frame) <= MAX_REPLY:
+      return frame
+  except Exception:  # noqa: BLE001 - e.g. an info value that does not pickle
+    pass
+  task_id, status, value, retire = reply
+  if status == "ok":
+    return encode_frame((task_id, "ok", [(s, None) for s, _ in value], retire))
+  return encode_frame((task_id, "error", "unpicklable or oversized error message", retire))
 
+
+def _worker_main(sock: socket.socket, uid: int | None, setup: dict[str, Any], zygote_pid: int) -> None:
   from rljax.rewards import sandbox
   os.setsid()  # own process group: killing it also kills helpers the verifier started
   _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
   if os.getppid() != zygote_pid:
     os._exit(0)
+  me = os.getpid()
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 1)
+  os.dup2(devnull, 2)  # a verifier's prints cannot flood or block the trainer's stderr
+  os.close(devnull)
   for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(sig, signal.SIG_DFL)
   limit = int(setup["max_memory_mb"]) << 20
@@ -97,11 +229,11 @@ def _worker_main(sock: socket.socket, uid: int | None, setup: dict[str, Any], zy
   sandbox.set_worker_uid(uid)
   sandbox.become_subreaper()
   components = setup["components"]
-  conn = Connection(sock.detach())
+  sock.setblocking(True)
   while True:
     try:
-      batch = conn.recv()
-    except (EOFError, OSError):
+      batch = recv_frame(sock)
+    except (EOFError, OSError, pickle.UnpicklingError, ValueError):
       return
     if batch is None:
       return
@@ -113,21 +245,20 @@ def _worker_main(sock: socket.socket, uid: int | None, setup: dict[str, Any], zy
         reply = (task_id, "error", describe_exception(e), True)
       except BaseException as e:  # noqa: BLE001 - a verifier's SystemExit is a failure too
         reply = (task_id, "error", describe_exception(e), False)
+      if os.getpid() != me:  # a fork made by the verifier returned here: it must not reply
+        os._exit(0)
+      kill_descendants()  # whatever the verifier started ends with its item
       try:
-        conn.send(reply)
-      except (EOFError, OSError, BrokenPipeError):
+        sock.sendall(_encode_reply(reply))
+      except OSError:
         return
-      except Exception:  # noqa: BLE001 - e.g. an info value that does not pickle
-        if reply[1] == "ok":
-          reply = (task_id, "ok", [(s, None) for s, _ in reply[2]], False)
-        else:
-          reply = (task_id, "error", "unpicklable error message", False)
-        conn.send(reply)
       if reply[3]:  # retire: exit after a MemoryError, the parent starts a fresh worker
         return
 
 
-def _kill_worker(pid: int, uid: int | None) -> None:
+def _kill_worker(pid: int, uid: int | None, workers: dict[int, int | None]) -> None:
+  """SIGKILLs a worker, its process group and its sandbox uid, waits until it is reaped (so
+  that its orphans are re-parented here), then kills those too."""
   from rljax.rewards import sandbox
   for kill in (os.killpg, os.kill):
     try:
@@ -135,7 +266,35 @@ def _kill_worker(pid: int, uid: int | None) -> None:
     except (ProcessLookupError, PermissionError):
       pass
   sandbox.kill_uid(uid)
+  deadline = time.monotonic() + _SWEEP_S
+  while pid in workers and time.monotonic() < deadline:
+    _reap(workers)
+    if pid in workers:
+      time.sleep(0.001)
   sandbox.remove_dirs_of(pid)
+  _kill_orphans(workers)
+
+
+def _kill_orphans(workers: dict[int, int | None]) -> None:
+  """SIGKILLs every child of this zygote that is not a live worker, with its descendants:
+  what dead workers left behind (the zygote is a subreaper, so it inherits them)."""
+  me = os.getpid()
+  deadline = time.monotonic() + _SWEEP_S
+  while True:
+    _reap(workers)
+    table = _proc_table()
+    strays = []
+    for pid, (ppid, state) in table.items():
+      if ppid == me and pid not in workers and state != b"Z":
+        strays += [pid, *descendants(pid, table)]
+    if not strays or time.monotonic() > deadline:
+      return
+    for pid in strays:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+    time.sleep(0.001)
 
 
 def _address_space_mb() -> float:
@@ -149,15 +308,19 @@ def _address_space_mb() -> float:
   return 0.0
 
 
-def _reap(workers: dict[int, int | None]) -> None:
+def _reap(workers: dict[int, int | None]) -> list[int]:
+  """Reaps dead children; returns the workers among them."""
+  dead = []
   while True:
     try:
       pid, _ = os.waitpid(-1, os.WNOHANG)
     except ChildProcessError:
-      return
+      return dead
     if pid == 0:
-      return
-    workers.pop(pid, None)
+      return dead
+    if pid in workers:
+      del workers[pid]
+      dead.append(pid)
 
 
 def _load_setup(path: str) -> dict[str, Any]:
@@ -200,7 +363,8 @@ def zygote_main() -> None:
   try:
     while True:
       ready, _, _ = select.select([ctl], [], [], 0.5)
-      _reap(workers)
+      if _reap(workers):  # a worker died on its own: what it left behind goes too
+        _kill_orphans(workers)
       if not ready:
         continue
       try:
@@ -236,10 +400,10 @@ def zygote_main() -> None:
         socket.send_fds(ctl, [pickle.dumps(("spawned", worker_id, pid))], [a.fileno()])
         a.close()
       elif msg[0] == "kill":
-        _kill_worker(msg[1], msg[2])
+        _kill_worker(msg[1], msg[2], workers)
       elif msg[0] == "exit":
         return
   finally:
     for pid, uid in list(workers.items()):
-      _kill_worker(pid, uid)
-    _reap(workers)
+      _kill_worker(pid, uid, workers)
+    _kill_orphans(workers)

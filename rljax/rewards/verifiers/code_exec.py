@@ -8,8 +8,8 @@ Test cases come from the example:
                 with "entry_point". One sandboxed run executes every assert after the code.
 
 The code is the last ```python fenced block (else the last fenced block, else the
-<answer> content, else the whole completion). See rljax/rewards/sandbox.py for what the
-sandbox does and does not isolate.
+<answer> content, else the whole completion). See rljax/rewards/sandbox.py for how the
+sandbox isolates the code, and docs/rewards.md for the table of what it can and cannot do.
 """
 from __future__ import annotations
 
