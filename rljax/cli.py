@@ -1,52 +1,169 @@
-"""`rljax train | eval | export | generate`."""
+"""`rljax train | eval | export | generate | config | plan`, and `rljax --version`."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
 import sys
 from typing import Sequence
 
-from rljax.errors import RljaxError
+from rljax.errors import ConfigError, RljaxError
 
-USAGE = """usage: rljax <command> [options]
+USAGE = """usage: rljax <command> [options]        (rljax <command> --help for each command's options)
 
 commands:
-  train     train a policy: rljax train [--config configs/NAME.py] [--config.FIELD=VALUE ...]
+  train     train a policy: rljax train [--config configs/NAME.py] [--config.FIELD=VALUE ...] [--dry-run]
             (no --config: the embedded default, SmolLM2-135M-Instruct + GRPO on arithmetic)
   eval      rljax eval --model X --data Y --verifier Z [--samples K] [--out FILE] [--tools T,...]
   export    rljax export --checkpoint DIR --out HF_DIR [--step N] [--dtype bfloat16|float32]
   generate  rljax generate [--model X] --prompt TEXT [--max-new-tokens N] [--temperature T]
+  config    rljax config show [--config FILE] [--config.FIELD=VALUE ...]: every field, its value, default and help
+  plan      rljax plan --config FILE --topology v5p-8: will the run fit on a TPU slice, and what will it cost
+
+  rljax --version   prints the installed version
 """
+
+TRAIN_DESCRIPTION = """\
+Train a policy with the run config built from, in this order:
+  1. --config FILE: a recipe, a Python file whose get_config() returns the config (configs/*.py),
+     or a gin file (.gin, as --gin_file); without it, the embedded default (configs/default.py);
+  2. --gin_file FILE.gin (repeatable): gin bindings such as `train.steps = 24`, on top of
+     rljax.config.base_config() when no --config is given (configs/default.gin is an example);
+  3. --gin_bindings 'section.field = value' (repeatable);
+  4. --config.FIELD=VALUE overrides (repeatable), e.g. --config.train.steps=5
+     --config.rl.preset=dr_grpo --config.data.sources='[{"kind": "gsm8k", "path": {...}}]'.
+     VALUE is a Python literal (5, 0.28, True, None, "text", [1, 2]) or plain text, and must
+     have the field's type; `--config.FIELD VALUE` (a space) works too.
+The result is validated before anything loads: an unknown field, a wrong type or a contradiction
+stops with a message naming the field."""
+
+TRAIN_EPILOG = """\
+every field, with its value, default and help:
+  rljax config show [--config FILE] [--config.FIELD=VALUE ...]
+
+the run directory (config.output.dir) remembers its resolved config (config.json):
+  - with a checkpoint there and the same config, training resumes from the latest checkpoint;
+  - with a different config it stops and lists the fields that differ: train in a new directory
+    (--config.output.dir=runs/NEW) or start over with --overwrite;
+  - a finished run (its checkpoint reached train.steps) says so; raise train.steps to extend it.
+  Fields that may differ on resume: train.steps, output.*, eval.*, checkpoint cadence and
+  retention, mesh.*, model.remat, model.attention, worker counts, optim.max_consecutive_skips.
+
+examples:
+  rljax train                                           # the embedded default (about 9 min on 2 CPU cores)
+  rljax train --config configs/smoke.py --config.train.steps=5
+  rljax train --config configs/default.py --config.rl.preset=dr_grpo --dry-run
+  rljax train --gin_file configs/default.gin --gin_bindings 'train.steps = 4'"""
 
 
 def _default_config_path() -> str:
   return os.path.join(os.path.dirname(__file__), "configs", "default.py")
 
 
-def resolve_config(argv: Sequence[str]):
-  """Loads --config (or the default recipe), applies --config.x=y overrides. Returns (config, rest)."""
+def build_config(path: str | None, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
+                 overrides: Sequence[str] = (), validate: bool = True):
+  """The run config: the recipe at `path` (a .py or .gin file; None: the embedded default, or
+  base_config() when gin files are given), then gin files, gin bindings and --config overrides."""
   from rljax import config as config_lib
-  from rljax.config_overrides import apply_overrides, load_config_file, split_config_args
-  path, overrides, rest = split_config_args(argv)
-  cfg = load_config_file(path or _default_config_path())
+  from rljax.config_overrides import apply_overrides, load_config_file
+  from rljax.gin_config import apply_gin
+  if path is not None:
+    cfg = load_config_file(path)
+  elif gin_files:
+    cfg = config_lib.base_config()
+  else:
+    cfg = load_config_file(_default_config_path())
+  apply_gin(cfg, gin_files, gin_bindings)
   apply_overrides(cfg, overrides)
-  config_lib.validate(cfg)
-  return cfg, rest
+  if validate:
+    config_lib.validate(cfg)
+  return cfg
+
+
+def resolve_config(argv: Sequence[str]):
+  """Loads --config (or the default recipe), applies --gin_file / --gin_bindings and --config.x=y
+  overrides, validates. Returns (config, the other arguments)."""
+  from rljax.config_overrides import split_config_args, split_gin_args
+  gin_files, gin_bindings, argv = split_gin_args(argv)
+  path, overrides, rest = split_config_args(argv)
+  return build_config(path, gin_files, gin_bindings, overrides), rest
+
+
+def _train_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="rljax train", description=TRAIN_DESCRIPTION, epilog=TRAIN_EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", metavar="FILE", help="the recipe (.py with get_config(), or .gin); default: the "
+                 "embedded default, configs/default.py")
+  p.add_argument("--config.FIELD=VALUE", dest="_override_doc", metavar="", help="set one config field (see above)")
+  p.add_argument("--gin_file", metavar="FILE", action="append", help="gin bindings file (repeatable)")
+  p.add_argument("--gin_bindings", metavar="BINDING", action="append",
+                 help="one gin binding, e.g. 'train.steps = 5' (repeatable)")
+  p.add_argument("--dry-run", action="store_true",
+                 help="validate, load the model, build everything, run no step, write nothing into the run dir")
+  p.add_argument("--overwrite", action="store_true",
+                 help="start over in an output.dir that holds an earlier run: delete its checkpoints, metrics, "
+                      "evaluations and export first (the same as --config.checkpoint.resume=False)")
+  return p
+
+
+def _preflight(cfg) -> None:
+  """The checks that need files but no weights: the model's context (from its config or GGUF
+  header) and the data sources (each must yield a valid example), before the model loads."""
+  from rljax import config as config_lib
+  config_lib.check_model_fits_early(cfg)
+  from rljax.data import build_dataset
+  data_cfg = cfg.data.to_dict()
+  build_dataset(data_cfg, split="train")
+  if cfg.eval.every or cfg.eval.before_and_after:
+    build_dataset(data_cfg, split="test")
+
+
+def _primary_process() -> bool:
+  """Whether this is process 0 of a multi-process launch (read from the environment: jax.distributed
+  is not initialized yet when the run directory is prepared)."""
+  for var in ("JAX_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+    if os.environ.get(var, "0").strip() not in ("", "0"):
+      return False
+  return True
 
 
 def cmd_train(argv: Sequence[str]) -> int:
-  cfg, rest = resolve_config(argv)
-  parser = argparse.ArgumentParser(prog="rljax train")
-  parser.add_argument("--dry-run", action="store_true", help="validate, build everything, run no step")
-  args = parser.parse_args(rest)
+  from rljax.config_overrides import split_config_args, split_gin_args
+  gin_files, gin_bindings, argv = split_gin_args(argv)
+  path, overrides, rest = split_config_args(argv)
+  args = _train_parser().parse_args(rest)   # --help ends here, before anything loads
+  cfg = build_config(path, gin_files, gin_bindings, overrides)
+  from rljax.trainer import rundir
+  if args.overwrite and cfg.checkpoint.resume:
+    with cfg.checkpoint.unlocked():
+      cfg.checkpoint.resume = False
+  run = rundir.check_resume(cfg, overwrite=not cfg.checkpoint.resume)
+  _preflight(cfg)
+  out = cfg.output.dir
+  if run.start_over:
+    outputs = ", ".join(os.path.basename(p) for p in rundir.run_outputs(out))
+    if args.dry_run:
+      print(f"dry run: a real start would delete the earlier run's outputs in {out} (latest checkpoint: step "
+            f"{run.latest_step}): {outputs}")
+    elif _primary_process():   # the other processes of a multi-process launch leave it to process 0
+      rundir.clear_run(out)
+      print(f"starting over in {out}: deleted the earlier run's {outputs} (it had reached step {run.latest_step})")
+  where = f"resuming {out} from step {run.latest_step}" if run.resuming else f"writing to {out}"
+  source = path or (", ".join(gin_files) if gin_files else "the embedded default (configs/default.py)")
+  print(f"rljax train: {source}; model {cfg.model.path}; "
+        f"{cfg.train.steps} steps of {cfg.train.prompts_per_step} prompts x {cfg.sampling.num_samples} samples, "
+        f"rl.preset={cfg.rl.preset}, rollout.mode={cfg.rollout.mode}; {where}", flush=True)
+  print("loading the model and building the run ...", flush=True)
   from rljax.trainer.loop import Trainer
   trainer = Trainer(cfg)
   if args.dry_run:
-    print(f"config OK; model {cfg.model.path} ({trainer.policy.config.num_params / 1e6:.1f}M params); "
-          f"run dir {cfg.output.dir}")
-    trainer.pool.close()
+    mc = getattr(trainer, "model_config", None) or getattr(getattr(trainer, "policy", None), "config", None)
+    size = f" ({mc.num_params / 1e6:.1f}M params)" if mc is not None else ""
+    print(f"config OK; model {cfg.model.path}{size}; run dir {out} (dry run: no config, metrics or checkpoint "
+          "written)")
+    trainer.close()
     return 0
   summary = trainer.run()
   _print_summary(summary)
@@ -66,6 +183,47 @@ def _print_summary(summary) -> None:
       print(f"{label:>22}: {summary[key]}")
   if summary.get("tensorboard_dir"):
     print(f"{'TensorBoard':>22}: tensorboard --logdir {summary['tensorboard_dir']}")
+
+
+def cmd_config(argv: Sequence[str]) -> int:
+  """`rljax config show [--config FILE] [--gin_file F] [--config.FIELD=VALUE ...]`."""
+  from rljax import config as config_lib
+  from rljax.config_overrides import split_config_args, split_gin_args
+  gin_files, gin_bindings, argv = split_gin_args(argv)
+  path, overrides, rest = split_config_args(argv)
+  parser = argparse.ArgumentParser(
+      prog="rljax config", formatter_class=argparse.RawDescriptionHelpFormatter,
+      description="show: print every config field as `name = value  # help`, with its default where the recipe "
+                  "changes it. Takes the same --config FILE, --gin_file, --gin_bindings and --config.FIELD=VALUE "
+                  "arguments as `rljax train`; without --config it shows the embedded default recipe.")
+  parser.add_argument("action", choices=("show",))
+  parser.add_argument("--config", metavar="FILE", help="the recipe (.py or .gin)")
+  parser.parse_args(rest)
+  cfg = build_config(path, gin_files, gin_bindings, overrides, validate=False)
+  source = path or ("rljax.config.base_config() + gin" if gin_files else
+                    "the embedded default, configs/default.py")
+  print(f"# rljax config of {source}; `(default X)` marks a value that differs from rljax.config.base_config().")
+  print(f"# Override any field with --config.FIELD=VALUE (or a gin binding `FIELD = VALUE`).\n")
+  print(config_lib.describe_fields(cfg), end="")
+  try:
+    config_lib.validate(cfg)
+    print("\n# validation: OK")
+  except ConfigError as e:
+    print(f"\n# validation: {e}")
+    return 1
+  return 0
+
+
+def cmd_plan(argv: Sequence[str]) -> int:
+  """`rljax plan ...` (rljax/plan): imported only when asked for; it needs the TPU compiler."""
+  try:
+    import rljax.plan as plan
+  except ModuleNotFoundError as e:
+    if e.name and e.name.startswith("rljax.plan"):
+      raise RljaxError("`rljax plan` is not part of this installation (the module rljax.plan is missing); "
+                       "install a version of rljax that has it.") from None
+    raise
+  return int(plan.main(list(argv)) or 0)
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
@@ -114,7 +272,13 @@ def cmd_generate(argv: Sequence[str]) -> int:
   return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "generate": cmd_generate}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "generate": cmd_generate,
+            "config": cmd_config, "plan": cmd_plan}
+
+
+def version() -> str:
+  from rljax import __version__
+  return __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,15 +286,24 @@ def main(argv: Sequence[str] | None = None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   for noisy in ("absl", "jax._src", "orbax"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
-  if not argv or argv[0] in ("-h", "--help"):
+  if argv and argv[0] in ("--version", "-V"):
+    print(f"rljax {version()}")
+    return 0
+  if not argv or argv[0] in ("-h", "--help", "help"):
     print(USAGE)
     return 0 if argv else 2
   command, rest = argv[0], argv[1:]
   if command not in COMMANDS:
-    print(f"rljax: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    close = difflib.get_close_matches(command, list(COMMANDS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    print(f"rljax: unknown command {command!r}.{hint}\n\n{USAGE}", file=sys.stderr)
     return 2
+  from rljax.trainer.rundir import RunFinished
   try:
     return COMMANDS[command](rest)
+  except RunFinished as e:
+    print(f"rljax {command}: {e}")
+    return 0
   except RljaxError as e:
     print(f"rljax {command}: error: {e}", file=sys.stderr)
     return 1

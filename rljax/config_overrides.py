@@ -1,8 +1,9 @@
 """Loading config files and applying `--config.a.b=value` overrides (ml_collections style).
 
-A config file is a Python file with `get_config()` returning a ConfigDict. Overrides are
-parsed as Python literals (`0.28`, `True`, `"text"`, `[1, 2]`, `None`), falling back to
-a plain string, and must match the type of the field they replace.
+A config file is a Python file with `get_config()` returning a ConfigDict, or a gin file
+(`.gin`, see rljax/gin_config.py) of bindings onto the same fields. Overrides are parsed as
+Python literals (`0.28`, `True`, `"text"`, `[1, 2]`, `None`), falling back to a plain string,
+and must match the type of the field they replace.
 """
 from __future__ import annotations
 
@@ -18,9 +19,18 @@ from rljax.errors import ConfigError
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
-  if not os.path.isfile(path):
+  """The ConfigDict of a recipe: a Python file's `get_config()`, or a gin file's bindings onto
+  `base_config()` (a `.gin` file is read as if passed with --gin_file)."""
+  if os.path.isdir(path) or not os.path.isfile(path):
     raise ConfigError(f"config file {path!r} does not exist; pass --config path/to/recipe.py "
                       "(see configs/ for the recipes).")
+  if path.endswith(".gin"):
+    from rljax import config as config_lib
+    from rljax.gin_config import apply_gin
+    return apply_gin(config_lib.base_config(), files=[path])
+  if not path.endswith(".py"):
+    raise ConfigError(f"config file {path!r} is neither a Python recipe (.py, with get_config()) nor a gin file "
+                      "(.gin); rename it or pass one of the recipes in configs/.")
   spec = importlib.util.spec_from_file_location(f"rljax_config_{abs(hash(path))}", path)
   module = importlib.util.module_from_spec(spec)
   try:
@@ -29,7 +39,11 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}") from e
   if not hasattr(module, "get_config"):
     raise ConfigError(f"config file {path!r} has no get_config() function.")
-  return module.get_config()
+  cfg = module.get_config()
+  if not isinstance(cfg, ml_collections.ConfigDict):
+    raise ConfigError(f"config file {path!r}: get_config() returned a {type(cfg).__name__}; return the "
+                      "ConfigDict of rljax.config.base_config() with your changes.")
+  return cfg
 
 
 def parse_value(text: str) -> Any:
@@ -50,6 +64,9 @@ def _coerce(path: str, old: Any, new: Any) -> Any:
     raise ConfigError(f"--config.{path}={new!r}: expected a bool (True/False).")
   if isinstance(old, int) and isinstance(new, int) and not isinstance(new, bool):
     return new
+  if isinstance(old, int) and isinstance(new, float):
+    raise ConfigError(f"--config.{path}={new!r}: the field holds a whole number ({old!r}); pass an integer, "
+                      f"e.g. --config.{path}={max(int(new), 1)}.")
   if isinstance(old, float) and isinstance(new, (int, float)) and not isinstance(new, bool):
     return float(new)
   if isinstance(old, str) and isinstance(new, str):
@@ -77,11 +94,15 @@ def set_field(cfg: ml_collections.ConfigDict, path: str, value: Any) -> None:
       raise ConfigError(f"config field {here!r} does not exist.{hint}")
     if i == len(parts) - 1:
       new = _coerce(path, node[key], value)
-      if isinstance(node, ml_collections.ConfigDict):
-        with node.unlocked():
+      try:
+        if isinstance(node, ml_collections.ConfigDict):
+          with node.unlocked():
+            node[key] = new
+        else:
           node[key] = new
-      else:
-        node[key] = new
+      except (TypeError, ValueError) as e:   # ml_collections' own type check
+        raise ConfigError(f"--config.{path}={new!r} does not fit the field, which holds {node[key]!r} "
+                          f"({type(e).__name__}: {e}); pass a value of the same type.") from None
     else:
       node = node[key]
 
@@ -120,3 +141,28 @@ def split_config_args(argv: Sequence[str]) -> tuple[str | None, list[str], list[
       rest.append(a)
     i += 1
   return path, overrides, rest
+
+
+_GIN_FLAGS = {"--gin_file": "files", "--gin-file": "files", "--gin_bindings": "bindings", "--gin-bindings": "bindings"}
+
+
+def split_gin_args(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+  """Separates `--gin_file PATH` and `--gin_bindings 'a.b = 1'` (each repeatable, `=` or a space
+  before the value) from the other arguments. Returns (gin files, gin bindings, the rest)."""
+  found: dict[str, list[str]] = {"files": [], "bindings": []}
+  rest = []
+  i = 0
+  while i < len(argv):
+    a = argv[i]
+    flag, sep, value = a.partition("=")
+    if flag in _GIN_FLAGS:
+      if not sep:
+        if i + 1 >= len(argv):
+          raise ConfigError(f"{flag} needs a value: {flag}=path/to/file.gin or {flag}='train.steps = 5'.")
+        value = argv[i + 1]
+        i += 1
+      found[_GIN_FLAGS[flag]].append(value)
+    else:
+      rest.append(a)
+    i += 1
+  return found["files"], found["bindings"], rest

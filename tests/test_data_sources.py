@@ -253,3 +253,34 @@ def test_json_list_file_and_gsm8k_marker_missing(tmp_path):
   assert ds[0]["answer"] == "1"
   with pytest.raises(DataError, match=r"rows\.json item 1: malformed row.*'####'"):
     ds[1]
+
+
+def test_source_without_a_valid_row_names_the_file_and_first_errors(tmp_path):
+  """Issue 22 item 2: with on_malformed=skip and endless epochs, a file of bad rows used to be
+  skipped row by row forever; now building the dataset says which file and why."""
+  path = _write_jsonl(tmp_path / "bad.jsonl", [{"q": "1 + 1", "a": "2"}, "{not json", {"q": "2 + 2"}, {"q": "x"}])
+  cfg = {"sources": [{"kind": "jsonl", "path": path, "verifier": "exact"}]}   # on_malformed=skip, num_epochs=None
+  with pytest.raises(DataError) as e:
+    build_dataset(cfg)
+  msg = str(e.value)
+  assert "data.sources[0]" in msg and "none of its 4 rows is a valid example" in msg
+  assert f"{path} line 1: missing prompt field 'prompt'" in msg and f"{path} line 2: invalid JSON" in msg
+  assert "line 4" not in msg                     # the first errors, not all of them
+  assert "'fields'" in msg                       # and the fix
+  # One valid row anywhere is enough.
+  _write_jsonl(tmp_path / "bad.jsonl", [{"q": "1 + 1"}] * 3 + [{"prompt": "ok", "answer": "1"}])
+  assert len(build_dataset(cfg)) > 0
+
+
+def test_eval_reads_training_data_finds_one_path_for_every_split():
+  from rljax.data.config import eval_reads_training_data
+  file = {"kind": "jsonl", "verifier": "exact"}
+  assert eval_reads_training_data({"sources": [{**file, "path": "train.jsonl"}]}) == [
+      "data.sources[0].path='train.jsonl' (one path for every split)"]
+  assert eval_reads_training_data({"sources": [{**file, "path": {"train": "a.jsonl", "test": "./a.jsonl"}}]})
+  assert eval_reads_training_data({"sources": [{**file, "path": {"train": "a.jsonl", "test": "b.jsonl"}}]}) == []
+  assert eval_reads_training_data({"sources": [{"kind": "arithmetic"}, {"kind": "tfds", "name": "gsm8k",
+                                                                        "verifier": "gsm8k"}]}) == []
+  assert eval_reads_training_data({"sources": [{"kind": "tfds", "name": "gsm8k", "verifier": "gsm8k",
+                                                "split": "train"}]}) == [
+      "data.sources[0].split='train' (the same tfds split for training and evaluation)"]

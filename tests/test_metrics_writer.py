@@ -43,3 +43,40 @@ def test_non_writing_process_creates_nothing(tmp_path):
   w.write(1, {"loss": 0.5})
   w.close()
   assert not (tmp_path / "run").exists()
+
+
+def _purge_events(directory):
+  """Steps of the SessionLog START events (TensorBoard's purge marker) under `directory`."""
+  out = []
+  for path in glob.glob(f"{directory}/events.out.tfevents.*"):
+    data = open(path, "rb").read()
+    pos = 0
+    while pos < len(data):
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+      pos += 12 + length + 4
+      if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+        out.append(event.step)
+  return out
+
+
+def test_resumed_writer_writes_each_step_once(tmp_path):
+  """A run resumed from the checkpoint of step 2 rewrites steps 3+: the rows an interrupted attempt
+  wrote for them are dropped (JSONL) and purged (TensorBoard's purge_step)."""
+  w = MetricsWriter(str(tmp_path), tensorboard=True, start_step=0)
+  for step in (1, 2, 3, 4):            # the first attempt got to step 4; its last checkpoint was step 2
+    w.write(step, {"loss": float(step)})
+  w.close()
+  w = MetricsWriter(str(tmp_path), tensorboard=True, start_step=2)
+  for step in (3, 4, 5):
+    w.write(step, {"loss": 10.0 + step})
+  w.close()
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+  assert [r["loss"] for r in rows] == [1.0, 2.0, 13.0, 14.0, 15.0]
+  assert 3 in _purge_events(tmp_path / "tb")   # TensorBoard drops the first attempt's steps >= 3
+  # A fresh start (step 0) replaces everything an earlier attempt wrote, its step-0 evaluation too.
+  w = MetricsWriter(str(tmp_path), tensorboard=False, start_step=0)
+  w.write(0, {"eval/accuracy": 0.5})
+  w.close()
+  assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == [{"step": 0, "eval/accuracy": 0.5}]

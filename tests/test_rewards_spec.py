@@ -119,6 +119,19 @@ def test_combine_weights_and_gates():
   assert passed[1].tolist() == [True, False, False, False]
 
 
+def test_accuracy_is_reported_only_for_pass_fail_scores():
+  """reward/accuracy is a pass rate: a continuous score (the smoke recipe's vowel fraction) would
+  read 1.0 whenever it is above 0, so it is not reported then; pass/fail scores report it."""
+  from rljax.rewards.compose import batch_metrics
+  spec = RewardSpec(components=[{"name": "correct", "verifier": "arithmetic", "weight": 1.0}], num_workers=0)
+  spec.validate()
+  for scores, want in (([[1.0, 0.0, 1.0, 1.0]], 0.75), ([[0.3, 0.5, 0.2, 0.9]], None)):
+    scores = np.asarray(scores)
+    rewards, passed = combine(spec, scores, np.zeros_like(scores, bool), step=0)
+    m = batch_metrics(spec, rewards, scores, passed, [[None] * 4], step=0)
+    assert m.get("reward/accuracy") == want
+
+
 def test_inline_pool_scores_all_kinds_and_metrics():
   spec = RewardSpec.from_dict({"components": [
       {"name": "correct", "verifier": "arithmetic"},

@@ -1,6 +1,10 @@
 """The embedded default: SmolLM2-135M-Instruct learns arithmetic with GRPO on a 2-core CPU.
 
-`rljax train` with no --config runs this. Held-out accuracy is printed before and after.
+`rljax train` with no --config runs this (configs/default.gin is the same recipe in gin). It
+evaluates greedy accuracy on 128 held-out problems before training (a progress bar, then the
+figure), trains 24 steps with a progress bar (reward, loss, step time), evaluates again and
+prints both figures. Override any field, e.g. `rljax train --config.train.steps=4`; `rljax
+config show` lists them all.
 """
 from rljax.config import base_config
 

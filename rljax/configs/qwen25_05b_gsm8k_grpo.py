@@ -2,9 +2,14 @@
 
   rljax train --config configs/qwen25_05b_gsm8k_grpo.py \
       --config.model.path=/path/to/Qwen2.5-0.5B-Instruct \
-      --config.data.sources='[{"kind": "gsm8k", "path": "/path/to/gsm8k/train.jsonl"}]'
+      --config.data.sources='[{"kind": "gsm8k", "path": {"train": "/path/to/gsm8k/train.jsonl",
+                                                         "test": "/path/to/gsm8k/test.jsonl"}}]'
 
-Sized for one accelerator host (8 chips, data parallel); change mesh.shape for pods.
+The source names one file per split: training reads "train", the held-out evaluation (every
+eval.every steps and before/after, which also picks the best checkpoint) reads "test". One path
+for both would score the model on its training prompts, so the config is refused unless
+eval.allow_training_data=True. Sized for one accelerator host (8 chips, data parallel); change
+mesh.shape for pods.
 """
 from rljax.config import base_config
 
@@ -14,7 +19,8 @@ def get_config():
   c.model.path = "/path/to/Qwen2.5-0.5B-Instruct"
   c.model.dtype = "bfloat16"
   c.model.remat = True
-  c.data.sources = [dict(kind="gsm8k", path="/path/to/gsm8k/train.jsonl", weight=1.0, verifier="gsm8k")]
+  c.data.sources = [dict(kind="gsm8k", weight=1.0, verifier="gsm8k",
+                         path=dict(train="/path/to/gsm8k/train.jsonl", test="/path/to/gsm8k/test.jsonl"))]
   c.data.system_prompt = "Please reason step by step, and put your final answer after '####'."
   c.data.max_prompt_tokens = 256
   c.sampling.num_samples = 8

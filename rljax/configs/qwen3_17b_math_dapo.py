@@ -3,7 +3,11 @@ overlong filtering and the soft overlong punishment, no KL.
 
   rljax train --config configs/qwen3_17b_math_dapo.py \
       --config.model.path=/path/to/Qwen3-1.7B \
-      --config.data.sources='[{"kind": "math", "path": "/path/to/MATH/train.jsonl"}]'
+      --config.data.sources='[{"kind": "math", "path": {"train": "/path/to/MATH/train.jsonl",
+                                                        "test": "/path/to/MATH/test.jsonl"}}]'
+
+Training reads the "train" file, the held-out evaluation (eval.every, which also picks the best
+checkpoint) the "test" file; a single path for both is refused (docs/data.md).
 """
 from rljax.config import base_config
 
@@ -13,7 +17,8 @@ def get_config():
   c.model.path = "/path/to/Qwen3-1.7B"
   c.model.dtype = "bfloat16"
   c.model.remat = True
-  c.data.sources = [dict(kind="math", path="/path/to/MATH/train.jsonl", weight=1.0, verifier="math")]
+  c.data.sources = [dict(kind="math", weight=1.0, verifier="math",
+                         path=dict(train="/path/to/MATH/train.jsonl", test="/path/to/MATH/test.jsonl"))]
   c.data.prompt_template = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
   c.data.max_prompt_tokens = 512
   c.sampling.num_samples = 16

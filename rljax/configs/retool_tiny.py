@@ -25,6 +25,8 @@ def get_config():
   c.sampling.max_new_tokens = 192
   c.sampling.temperature = 1.0
   c.tools.enabled = True
+  c.rollout.mode = "pipelined"       # multi-turn generation is the pipelined mode's producer
+  c.rollout.max_staleness = 0        # on-policy: generate the next batch only after this update
   c.tools.names = ["python"]
   c.tools.format = "python"
   c.tools.max_turns = 2

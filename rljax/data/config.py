@@ -305,3 +305,29 @@ def normalize_config(cfg: Any) -> dict[str, Any]:
     if labels.count(label) > 1:
       raise ConfigError(f"data.sources: label {label!r} is used by more than one source; give each source a distinct 'label'.")
   return out
+
+
+def eval_reads_training_data(cfg: Any, split: str = "test", train_split: str = "train") -> list[str]:
+  """The sources whose `split` examples would be read from the same place as their training ones.
+
+  A file source with one `path` (not a mapping split -> path) reads that file for every split,
+  and so does a tfds source with one `split`; procedural sources hold out a share of their
+  problems and never overlap. Returns "data.sources[i].path=..." descriptions, empty if none.
+  """
+  import os
+  out = []
+  for i, src in enumerate(normalize_config(cfg)["sources"]):
+    where = f"data.sources[{i}]"
+    key = "path" if src["kind"] in FILE_KINDS else "split" if src["kind"] == "tfds" else None
+    if key is None:
+      continue
+    value = src[key]
+    if isinstance(value, Mapping):
+      same = (split in value and train_split in value and value[split] is not None and
+              os.path.normpath(str(value[split])) == os.path.normpath(str(value[train_split])))
+      if same:
+        out.append(f"{where}.{key}={value!r} (the same for '{train_split}' and '{split}')")
+    elif src["kind"] in FILE_KINDS or value is not None:
+      out.append(f"{where}.{key}={value!r} " + ("(one path for every split)" if key == "path" else
+                                                "(the same tfds split for training and evaluation)"))
+  return out

@@ -106,7 +106,35 @@ def open_source(src: dict[str, Any], top: dict[str, Any], index: int, split: str
     reader = TfdsReader(name=src["name"], path=src["path"], data_dir=src["data_dir"], split=tfds_split, where=where)
   if len(reader) == 0:
     raise DataError(f"{where} (source '{src['label']}'): no rows for split '{split}'; check the path or split.")
-  return ExampleSource(reader, src, top, split, where)
+  source = ExampleSource(reader, src, top, split, where)
+  if kind not in PROCEDURAL_KINDS:
+    _check_has_valid_example(reader, source, src, top, split, where)
+  return source
+
+
+# Errors quoted when a source has no valid example.
+_PROBE_ERRORS = 3
+
+
+def _check_has_valid_example(reader: RowReader, source: ExampleSource, src: dict[str, Any], top: dict[str, Any],
+                             split: str, where: str) -> None:
+  """Reads rows until the first valid example; a source with none is a DataError naming the file
+  and its first errors. Without this, on_malformed='skip' over a repeating stream of bad rows
+  would skip forever (each skip logged once, then silence)."""
+  errors = []
+  for index in range(len(source)):
+    try:
+      row_to_example(reader.read(index), src, top, row_index=index, split=split)
+      return
+    except RowError as e:
+      if len(errors) < _PROBE_ERRORS:
+        errors.append(f"{reader.where(index)}: {e}")
+  fields = src["fields"]
+  mapping = f"prompt <- '{fields['prompt']}'" + (f", answer <- '{fields['answer']}'" if fields["answer"] else "")
+  raise DataError(
+      f"{where} (source '{src['label']}', split '{split}'): none of its {len(source)} rows is a valid example; "
+      f"the first errors: {'; '.join(errors)}. Fix the file, or map its columns with the source's 'fields' "
+      f"(now {mapping}), e.g. fields={{'prompt': 'question', 'answer': 'answer'}}.")
 
 
 # Streams at least this long (unbounded procedural tasks, repeat-forever

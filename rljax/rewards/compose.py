@@ -79,7 +79,11 @@ def batch_metrics(spec: RewardSpec, rewards: np.ndarray, scores: np.ndarray, pas
   m["reward/std"] = float(rewards.std())
   m["reward/min"] = float(rewards.min())
   m["reward/max"] = float(rewards.max())
-  m["reward/accuracy"] = float(passed[spec.accuracy_index()].mean())
+  acc = spec.accuracy_index()
+  if np.isin(scores[acc], (0.0, 1.0)).all():
+    # A pass rate only means something for a pass/fail score; a continuous one (a fraction, a
+    # similarity) would read as "accuracy" 1.0 whenever it is above 0.
+    m["reward/accuracy"] = float(passed[acc].mean())
   for i, c in enumerate(spec.components):
     m[f"reward/{c.name}_mean"] = float(scores[i].mean())
     m[f"reward/{c.name}_pass"] = float(passed[i].mean())

@@ -414,7 +414,8 @@ class Checkpointer:
     if mismatched:
       raise CheckpointError(f"{where} does not match the state to restore: {'; '.join(mismatched[:4])}"
                             f"{' ...' if len(mismatched) > 4 else ''}. Restore with the model config and "
-                            "optimizer of the run that saved it.")
+                            "optimizer of the run that saved it, or start a new run: a new config.output.dir, or "
+                            "`rljax train ... --overwrite` to replace this one.")
     return bool(unused)
 
   def _restore_state_item(self, step: int, target, partial: bool):

@@ -36,19 +36,30 @@ class MetricsWriter:
 
   Only the writing process (process 0 of a multi-process run) opens files; the others' writes
   are no-ops, since every process computes the same global metrics.
+
+  `start_step`: the step the run starts from (0 fresh, N when resumed from the checkpoint of
+  step N). The rows an earlier attempt wrote for steps this run writes again are dropped from
+  metrics.jsonl, and TensorBoard is told to purge them (SummaryWriter's `purge_step`), so every
+  step has one row. None (the default) appends without purging.
   """
 
-  def __init__(self, directory: str, tensorboard: bool = True, writing: bool = True):
+  def __init__(self, directory: str, tensorboard: bool = True, writing: bool = True,
+               start_step: int | None = None):
     self.path = os.path.join(directory, "metrics.jsonl")
     self._file = None
     self._tb = None
     if not writing:
       return
     os.makedirs(directory, exist_ok=True)
+    purge_step = None
+    if start_step is not None:
+      from rljax.trainer.rundir import metrics_purge_step, purge_metrics
+      purge_step = metrics_purge_step(start_step)
+      purge_metrics(self.path, purge_step)
     self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(directory, "tb"))
+      self._tb = SummaryWriter(os.path.join(directory, "tb"), purge_step=purge_step)
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     if self._file is None:
