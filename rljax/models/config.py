@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from rljax.errors import ConfigError, WeightsError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")   # the backends of rljax.models.attention
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -54,6 +55,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
+  attention: str = "auto"   # runtime choice of the no-cache attention backend (rljax.models.attention)
 
   def __post_init__(self):
     if self.architecture not in ARCHITECTURES:
@@ -66,6 +68,8 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ConfigError(f"model.{name}={getattr(self, name)!r} is not supported; use one of {tuple(_DTYPES)}.")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ConfigError(f"model.attention={self.attention!r} is not supported; use one of {ATTENTION_IMPLS}.")
 
   @property
   def compute_dtype(self):

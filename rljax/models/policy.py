@@ -80,10 +80,13 @@ def _forward(config, params, tokens, positions, mask):
 
 
 def apply_model(config: ModelConfig, params, tokens, positions, token_mask=None, cache: KVCache | None = None,
-                *, return_hidden: bool = False):
-  """Functional forward used by the sampler and the learner (same code path)."""
+                *, segment_ids=None, return_hidden: bool = False):
+  """Functional forward used by the sampler and the learner (same code path).
+
+  segment_ids: [B, T] int32 packed-row segments, without a cache only (see `Transformer.__call__`).
+  """
   return Transformer(config).apply({"params": params}, tokens, positions, token_mask, cache,
-                                   return_hidden=return_hidden)
+                                   segment_ids=segment_ids, return_hidden=return_hidden)
 
 
 def output_kernel(config: ModelConfig, params) -> jax.Array:
