@@ -7,6 +7,7 @@ field name is an error, not a silently ignored setting.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from typing import Any
 
@@ -29,6 +30,7 @@ def base_config() -> ml_collections.ConfigDict:
       path="smollm2-135m-instruct",   # HF dir, .gguf file, or built-in name; "random" builds model.random
       dtype="float32",                # compute dtype of activations
       remat=False,                    # recompute layer activations in the backward pass
+      attention="auto",               # learner attention: auto | xla | chunked | cudnn | splash (docs/models.md)
       random=ml_collections.ConfigDict(dict(   # used when path == "random" (tests, smoke runs)
           vocab_size=0, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
           num_kv_heads=2, head_dim=16, architecture="llama", tie_word_embeddings=True, seed=0)),
@@ -59,6 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rewards = ml_collections.ConfigDict(dict(
       components=[dict(name="correct", verifier="arithmetic", weight=1.0)],
       timeout_s=5.0, batch_deadline_s=120.0, fallback=0.0, num_workers=2, max_memory_mb=2048,
+      sandbox=dict(require_isolation=False),  # True: refuse to run model code unisolated (docs/rewards.md)
   ), type_safe=False)
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-6, schedule="constant", warmup_steps=0, min_lr_ratio=0.0,
@@ -71,9 +74,11 @@ def base_config() -> ml_collections.ConfigDict:
       mini_batches=1,                 # optimizer updates per rollout batch per epoch
       epochs=1,                       # passes over each rollout batch
       micro_batches=1,                # gradient accumulation: splits each mini-batch (by whole groups)
+      pack_tokens=0,                  # > 0: packed update: blocks of this many real tokens (trainer/packing.py)
       seed=0,
       dynamic_sampling=False,         # DAPO: drop zero-variance groups, refill from oversampled prompts
-      oversample=2,                   # with dynamic_sampling: prompts sampled = prompts_per_step * oversample
+      oversample=ml_collections.config_dict.placeholder(int),   # with dynamic_sampling: prompts sampled =
+                                      # prompts_per_step * oversample (default 2); refused without it
   ))
   # How generation, scoring and updates are scheduled (docs/rollouts.md).
   c.rollout = ml_collections.ConfigDict(dict(
@@ -101,7 +106,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict(dict(
       every=0, keep_last=2, keep_best=1, best_metric="eval/accuracy", async_save=True, resume=True))
   c.eval = ml_collections.ConfigDict(dict(
-      every=0, num_examples=64, samples=1, temperature=0.0, max_new_tokens=0, before_and_after=True))
+      every=0, num_examples=64, samples=1, temperature=0.0, max_new_tokens=0, before_and_after=True,
+      allow_training_data=False,      # evaluate even where the test split reads the training file (on purpose)
+  ))
   c.output = ml_collections.ConfigDict(dict(
       dir="runs/default", export_hf=True, export_dtype="bfloat16", tensorboard=True, progress=True))
   return c
@@ -127,6 +134,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _positive(c, "train.mini_batches", t.mini_batches)
   _positive(c, "train.epochs", t.epochs)
   _positive(c, "train.micro_batches", t.micro_batches)
+  _validate_packing(c)
   _positive(c, "data.max_prompt_tokens", c.data.max_prompt_tokens)
   if t.prompts_per_step % (t.mini_batches * t.micro_batches):
     raise ConfigError(
@@ -151,15 +159,55 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.optim.max_grad_norm={o.max_grad_norm} must be > 0 (or None to disable clipping).")
   if c.model.dtype not in ("float32", "bfloat16"):
     raise ConfigError(f"config.model.dtype={c.model.dtype!r} must be 'float32' or 'bfloat16'.")
-  if t.dynamic_sampling and t.oversample < 1:
+  attention_impls = ("auto", "xla", "chunked", "cudnn", "splash")   # = rljax.models.config.ATTENTION_IMPLS
+  if c.model.attention not in attention_impls:
+    raise ConfigError(f"config.model.attention={c.model.attention!r} is not one of {attention_impls}.")
+  if not t.dynamic_sampling and t.oversample is not None:
+    raise ConfigError(f"config.train.oversample={t.oversample} only applies with config.train.dynamic_sampling=True "
+                      "(it would be ignored): set train.dynamic_sampling=True or drop train.oversample.")
+  if dynamic_oversample(c) < 1:
     raise ConfigError(f"config.train.oversample={t.oversample} must be >= 1.")
   if len(c.mesh.shape) != 3:
     raise ConfigError(f"config.mesh.shape={tuple(c.mesh.shape)} must have 3 entries (data, fsdp, tensor).")
-  loss_config(c).validate(group_size=s.num_samples)
+  _validate_group_size(c)
   _validate_rollout(c)
   _validate_tools(c)
   if c.eval.samples < 1:
     raise ConfigError(f"config.eval.samples={c.eval.samples} must be >= 1.")
+  _validate_eval_data(c)
+
+
+def _validate_group_size(c: ml_collections.ConfigDict) -> None:
+  """The loss's group statistics against G = sampling.num_samples, named as run-config fields."""
+  lc = loss_config(c)
+  try:
+    lc.validate(group_size=c.sampling.num_samples)
+  except ConfigError:
+    g = c.sampling.num_samples
+    if g >= 2:
+      raise
+    needs = [f"rl.std_scope={lc.std_scope!r}"] if lc.std_scope == "group" else []
+    needs += [f"rl.mean_scope={lc.mean_scope!r}"] if lc.mean_scope in ("group", "rloo") else []
+    raise ConfigError(
+        f"config.sampling.num_samples={g}: rl.preset={c.rl.preset!r} uses {' and '.join(needs)}, which compare "
+        "the completions of one prompt with each other, and a group of one has no spread (every advantage "
+        "would be 0). Set sampling.num_samples >= 2 (G completions per prompt), or use batch statistics: "
+        "rl.std_scope='batch' (or 'none') and rl.mean_scope='batch' (or 'none').") from None
+
+
+def _validate_eval_data(c: ml_collections.ConfigDict) -> None:
+  """Refuses an evaluation whose test split would read the training data (docs/data.md)."""
+  if not (c.eval.every or c.eval.before_and_after) or c.eval.allow_training_data:
+    return
+  from rljax.data.config import eval_reads_training_data
+  overlaps = eval_reads_training_data(c.data.to_dict())
+  if overlaps:
+    raise ConfigError(
+        f"config.{overlaps[0]}: the held-out evaluation (eval.every, eval.before_and_after) reads its 'test' "
+        "split from the same place as training, so eval/accuracy and the best checkpoint would be measured on "
+        "training prompts. Give the source one path per split, e.g. path={'train': '/data/train.jsonl', "
+        "'test': '/data/test.jsonl'}; or turn evaluation off (eval.every=0, eval.before_and_after=False); or "
+        "set eval.allow_training_data=True to evaluate on training data on purpose.")
 
 
 def _validate_rollout(c: ml_collections.ConfigDict) -> None:
@@ -174,9 +222,10 @@ def _validate_rollout(c: ml_collections.ConfigDict) -> None:
                       "(always on-policy): set rollout.mode='pipelined' or 'async', or leave max_staleness=-1.")
   if r.proximal not in PROXIMAL:
     raise ConfigError(f"config.rollout.proximal={r.proximal!r} is not one of {PROXIMAL}.")
-  if r.mode == "fused" and r.proximal != "recompute":
-    raise ConfigError(f"config.rollout.proximal={r.proximal!r} has no effect in rollout.mode='fused' (lp_old is "
-                      "always the sampler's there): set rollout.mode='pipelined' or 'async', or leave it.")
+  if r.mode == "fused" and r.proximal != "recompute" and c.model.dtype == "float32":
+    raise ConfigError(f"config.rollout.proximal={r.proximal!r} has no effect in rollout.mode='fused' with "
+                      "model.dtype='float32' (lp_old is the sampler's there): set rollout.mode='pipelined' or "
+                      "'async', or leave it. (In bfloat16 the fused mode recomputes lp_old; 'sampler' turns that off.)")
   if r.mode == "pipelined" and r.max_staleness > 1:
     raise ConfigError(f"config.rollout.max_staleness={r.max_staleness}: the pipelined mode runs at most one "
                       "step off-policy (0 or 1); use rollout.mode='async' for more.")
@@ -235,12 +284,39 @@ def _validate_tools(c: ml_collections.ConfigDict) -> None:
   _positive(c, "tools.num_workers", tl.num_workers, allow_zero=True)
   if not tl.timeout_s > 0:
     raise ConfigError(f"config.tools.timeout_s={tl.timeout_s!r} must be > 0.")
-  if c.rollout.mode != "fused":
+  if c.rollout.mode != "pipelined":
     raise ConfigError(f"config.tools.enabled with rollout.mode={c.rollout.mode!r}: multi-turn rollouts alternate "
-                      "compiled decode segments with host tool calls and run on-policy; set rollout.mode='fused'.")
+                      "compiled decode segments with host tool calls, so they run as the pipelined mode's producer; "
+                      "set rollout.mode='pipelined' (with rollout.max_staleness=0 for on-policy updates).")
   if c.sampling.ignore_eos:
     raise ConfigError("config.tools.enabled with sampling.ignore_eos=True: a trajectory must be able to end; "
                       "set sampling.ignore_eos=False.")
+
+
+def _validate_packing(c: ml_collections.ConfigDict) -> None:
+  t = c.train
+  if not isinstance(t.pack_tokens, int) or t.pack_tokens < 0:
+    raise ConfigError(f"config.train.pack_tokens={t.pack_tokens!r} must be an integer >= 0 (0 = no packing).")
+  if not t.pack_tokens:
+    return
+  width = c.data.max_prompt_tokens + c.sampling.max_new_tokens
+  if t.pack_tokens < width:
+    raise ConfigError(f"config.train.pack_tokens={t.pack_tokens} is smaller than one row (data.max_prompt_tokens + "
+                      f"sampling.max_new_tokens = {width}); set it to at least {width}, e.g. {4 * width}.")
+  if t.micro_batches != 1:
+    raise ConfigError(f"config.train.micro_batches={t.micro_batches} with train.pack_tokens: packing decides the "
+                      "micro-batches (blocks of pack_tokens real tokens); leave micro_batches=1.")
+  if loss_config(c).agg == "prompt-mean":
+    raise ConfigError("config.rl.agg='prompt-mean' with train.pack_tokens: a packed block may hold part of a "
+                      "group, and prompt-mean needs whole groups; set train.pack_tokens=0 or another rl.agg.")
+
+
+def dynamic_oversample(c: ml_collections.ConfigDict) -> int:
+  """Prompts sampled per prompt trained: train.oversample (default 2) with dynamic sampling, else 1."""
+  t = c.train
+  if not t.dynamic_sampling:
+    return 1
+  return 2 if t.oversample is None else t.oversample
 
 
 def max_staleness(c: ml_collections.ConfigDict) -> int:
@@ -252,8 +328,15 @@ def max_staleness(c: ml_collections.ConfigDict) -> int:
 
 
 def recompute_old_logprobs(c: ml_collections.ConfigDict) -> bool:
-  """Whether the update recomputes lp_old (off-policy batches with rollout.proximal='recompute')."""
-  return max_staleness(c) > 0 and c.rollout.proximal == "recompute"
+  """Whether the update recomputes lp_old: off-policy batches with rollout.proximal='recompute',
+  and every run whose compute dtype is not float32. In bf16 the sampler's cached decode and the
+  learner's forward round differently (SmolLM2-135M: mean |difference| 0.026, max 0.31), so the
+  sampler's log-probs are not the learner's; the learner's own lp_old plus a truncated IS weight
+  against the sampler is the verl/TRL practice. In float32 they agree to ~1e-6 and the sampler's
+  log-probs serve as lp_old (no recompute forward)."""
+  if c.rollout.proximal != "recompute":
+    return False
+  return max_staleness(c) > 0 or c.model.dtype != "float32"
 
 
 # Off-policy modes correct with truncated IS against the sampler; this cap is used unless rl.tis_cap is set.
@@ -263,27 +346,237 @@ DEFAULT_OFF_POLICY_TIS_CAP = 2.0
 def loss_config(c: ml_collections.ConfigDict):
   """The LossConfig named by config.rl (a preset plus overrides).
 
-  In an off-policy rollout mode (max_staleness > 0) with rl.tis_cap unset and lp_old
-  recomputed (rollout.proximal='recompute'), the truncated IS weight against the sampler is on
-  with cap DEFAULT_OFF_POLICY_TIS_CAP (decoupled PPO). With proximal='sampler', lp_old is the
+  Whenever lp_old is recomputed (off-policy modes with rollout.proximal='recompute', and runs
+  in a dtype other than float32) and rl.tis_cap is unset, the truncated IS weight against the
+  sampler is on with cap DEFAULT_OFF_POLICY_TIS_CAP (decoupled PPO, verl/TRL's TIS). With proximal='sampler', lp_old is the
   sampler's and the IS weight would be 1.
   """
   from rljax.rl import LossConfig
+  from rljax.rl.config import PRESETS
   fields = {k: v for k, v in c.rl.to_dict().items() if v is not None}
   preset = fields.pop("preset", "grpo")
+  if preset not in PRESETS:
+    close = difflib.get_close_matches(str(preset), list(PRESETS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"config.rl.preset={preset!r} is not a loss preset.{hint} The presets are: "
+                      f"{', '.join(sorted(PRESETS))} (docs/loss.md describes each).")
   if recompute_old_logprobs(c):
     fields.setdefault("tis_cap", DEFAULT_OFF_POLICY_TIS_CAP)
-  return LossConfig.from_preset(preset, **fields)
+  try:
+    return LossConfig.from_preset(preset, **fields)
+  except ConfigError as e:
+    msg = str(e)
+    field = msg.split("=", 1)[0].split(" ", 1)[0]
+    raise ConfigError(f"config.rl.{msg}" if field in c.rl else f"config.rl (preset {preset!r}): {msg}") from None
 
 
-def check_model_fits(c: ml_collections.ConfigDict, max_position_embeddings: int) -> None:
+def check_model_fits(c: ml_collections.ConfigDict, max_position_embeddings: int, model: str = "") -> None:
   """Contradiction between the data/sampling lengths and the model's context."""
   need = c.data.max_prompt_tokens + c.sampling.max_new_tokens
   if need > max_position_embeddings:
     raise ConfigError(
-        f"config.data.max_prompt_tokens + config.sampling.max_new_tokens = {need} exceeds the model's context "
-        f"of {max_position_embeddings} tokens; lower one of them.")
+        f"config.data.max_prompt_tokens + config.sampling.max_new_tokens = {c.data.max_prompt_tokens} + "
+        f"{c.sampling.max_new_tokens} = {need} exceeds the context of {model or 'the model'} "
+        f"({max_position_embeddings} tokens); lower one of them.")
+
+
+# The context `load_policy` gives a random model (model.path="random").
+RANDOM_MODEL_CONTEXT = 4096
+
+
+def model_context_length(model_cfg) -> int | None:
+  """The model's context (max_position_embeddings) read without loading its weights, or None.
+
+  An HF directory's config.json, a GGUF file's (or built-in name's) `<arch>.context_length`
+  header entry, RANDOM_MODEL_CONTEXT for "random". It lets the CLI refuse a prompt + completion
+  longer than the context in a second instead of after the weights have loaded; anything it
+  cannot read cheaply is left to the check after loading.
+  """
+  import os
+  path = model_cfg.path
+  if path == "random":
+    return RANDOM_MODEL_CONTEXT
+  try:
+    if os.path.isdir(path):
+      with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+      return int(hf.get("max_position_embeddings", 2048))
+    if not os.path.isfile(path):
+      from rljax.models import builtin
+      if not builtin.is_builtin(path):
+        return None
+      path = builtin.resolve_builtin(path)
+    return _gguf_context_length(path)
+  except Exception:  # noqa: BLE001 - unreadable here; loading the model reports it properly
+    return None
+
+
+def _gguf_context_length(path: str) -> int | None:
+  """`<general.architecture>.context_length` from a GGUF header, reading only the key-value
+  entries up to it (the tokenizer's arrays, which usually follow, are skipped, not parsed)."""
+  import struct
+  scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+  with open(path, "rb") as f:
+    def read(fmt):
+      size = struct.calcsize("<" + fmt)
+      return struct.unpack("<" + fmt, f.read(size))[0]
+
+    def string():
+      return f.read(read("Q")).decode("utf-8", "replace")
+
+    def value(kind):
+      if kind in scalar:
+        return read(scalar[kind])
+      if kind == 8:
+        return string()
+      if kind == 9:
+        elem, count = read("I"), read("Q")
+        if elem in scalar:
+          f.seek(count * struct.calcsize("<" + scalar[elem]), 1)
+        else:
+          for _ in range(count):
+            value(elem)
+        return None
+      raise ValueError(f"unknown GGUF value type {kind}")
+
+    if f.read(4) != b"GGUF":
+      return None
+    version = read("I")
+    count_fmt = "I" if version == 1 else "Q"
+    read(count_fmt)                     # tensor count
+    entries = read(count_fmt)
+    arch, lengths = None, {}
+    for _ in range(entries):
+      key = string()
+      v = value(read("I"))
+      if key == "general.architecture":
+        arch = v
+      elif key.endswith(".context_length"):
+        lengths[key] = v
+      if arch is not None and f"{arch}.context_length" in lengths:
+        return int(lengths[f"{arch}.context_length"])
+  return 2048 if arch is not None else None   # the loader's default when the entry is absent
+
+
+def check_model_fits_early(c: ml_collections.ConfigDict) -> None:
+  """`check_model_fits` against the context read from the model's files (no weights loaded)."""
+  context = model_context_length(c.model)
+  if context is not None:
+    check_model_fits(c, context, model=f"model.path={c.model.path!r}")
 
 
 def to_json(c: ml_collections.ConfigDict) -> str:
   return json.dumps(c.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+# ---- field documentation (`rljax config show`) ---------------------------------------------------
+
+
+def field_help() -> dict[str, str]:
+  """{"train.steps": "rollout steps (...)", "model": "<section comment>", ...}: the comments next to
+  the fields in `base_config()`'s source (one source of truth), and LossConfig's docstring for rl.*."""
+  import ast
+  import inspect
+  import io
+  import re
+  import textwrap
+  import tokenize
+  source = textwrap.dedent(inspect.getsource(base_config))
+  comments: dict[int, tuple[int, str, bool]] = {}   # line -> (column, text, comment-only line)
+  code_lines = set()
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type == tokenize.COMMENT:
+      comments[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip(), False)
+    elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+      code_lines.add(tok.start[0])
+  comments = {line: (col, text, line not in code_lines) for line, (col, text, _) in comments.items()}
+
+  def trailing(line: int) -> str:
+    parts = [comments[line][1]] if line in comments and not comments[line][2] else []
+    nxt = line + 1
+    while nxt in comments and comments[nxt][2] and comments[nxt][0] > 10:   # a wrapped comment
+      parts.append(comments[nxt][1])
+      nxt += 1
+    return " ".join(parts)
+
+  def above(line: int) -> str:
+    parts, prev = [], line - 1
+    while prev in comments and comments[prev][2]:
+      parts.insert(0, comments[prev][1])
+      prev -= 1
+    return " ".join(parts)
+
+  out: dict[str, str] = {}
+
+  def dict_call(node):
+    """The dict(...) call inside ConfigDict(dict(...)) (or the call itself)."""
+    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "dict":
+      return node
+    if isinstance(node, ast.Call) and node.args:
+      return dict_call(node.args[0])
+    return None
+
+  def walk(call, prefix):
+    for kw in call.keywords:
+      if kw.arg is None:
+        continue
+      name = f"{prefix}{kw.arg}"
+      out[name] = trailing(kw.value.end_lineno)
+      inner = dict_call(kw.value) if isinstance(kw.value, ast.Call) and getattr(kw.value.func, "attr", "") == \
+          "ConfigDict" else None
+      if inner is not None:
+        out[name] = trailing(kw.value.lineno)
+        walk(inner, name + ".")
+
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute):
+      name = node.targets[0].attr
+      inner = dict_call(node.value)
+      out[name] = " ".join(x for x in (above(node.lineno), trailing(node.lineno)) if x)
+      if inner is not None:
+        walk(inner, name + ".")
+  from rljax.rl.config import LossConfig
+  doc, current = {}, None
+  for line in (LossConfig.__doc__ or "").splitlines():
+    m = re.match(r"^    ([a-z_][a-z_0-9, ]*): (.*)$", line)
+    if m:
+      current = [n.strip() for n in m.group(1).split(",")]
+      for n in current:
+        doc[n] = m.group(2).strip()
+    elif current and re.match(r"^      \S", line):
+      for n in current:
+        doc[n] += " " + line.strip()
+    else:
+      current = None
+  for f in dataclasses.fields(LossConfig):
+    out[f"rl.{f.name}"] = (doc.get(f.name, "") + f" (None: the preset's value)").strip()
+  out["rl.preset"] = "the loss recipe: " + ", ".join(sorted(_presets())) + " (docs/loss.md)"
+  return out
+
+
+def _presets():
+  from rljax.rl.config import PRESETS
+  return PRESETS
+
+
+def describe_fields(c: ml_collections.ConfigDict) -> str:
+  """Every field of `c` as `name = value  # help`, sections in order; a value that differs from
+  base_config()'s default shows that default."""
+  from rljax.trainer.rundir import flatten_config
+  helps = field_help()
+  as_json = lambda cfg: json.loads(json.dumps(cfg.to_dict(), default=str))   # base_config()'s field order
+  values = flatten_config(as_json(c))
+  defaults = flatten_config(as_json(base_config()))
+  lines, section = [], None
+  for name, value in values.items():
+    top = name.split(".")[0] if "." in name else ""
+    if top != section:
+      section = top
+      head = helps.get(top, "") if top else "top-level fields"
+      lines.append(f"\n[{top or 'config'}]" + (f"  # {head}" if head else ""))
+    text = f"{name} = {json.dumps(value, default=str)}"
+    if name in defaults and defaults[name] != value:
+      text += f"   (default {json.dumps(defaults[name], default=str)})"
+    help_text = helps.get(name) or helps.get(name.rsplit(".", 1)[0] if name.count(".") > 1 else "", "")
+    lines.append(f"{text:<60}  # {help_text}" if help_text else text)
+  return "\n".join(lines).lstrip("\n") + "\n"

@@ -8,9 +8,12 @@ so any model runs on any mesh.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
+
 
 import jax
 import numpy as np
@@ -36,7 +39,13 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 
 
 def make_mesh(shape: Sequence[int] | None = None, devices=None) -> Mesh:
-  """A (data, fsdp, tensor) mesh. `shape=None` puts every device on `data`; -1 fills one axis."""
+  """A (data, fsdp, tensor) mesh over every device given (default: all of `jax.devices()`).
+
+  `shape=None` puts every device on `data`; -1 fills one axis. The shape's product must equal the
+  number of devices: a mesh that would leave devices idle is a ConfigError naming mesh.shape
+  (an explicit `devices` list, as the async mode's learner/generator split passes, is the way to
+  use a subset).
+  """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
   if shape is None:
@@ -46,16 +55,58 @@ def make_mesh(shape: Sequence[int] | None = None, devices=None) -> Mesh:
     raise ConfigError(f"mesh.shape={tuple(shape)} must have 3 entries (data, fsdp, tensor).")
   if shape.count(-1) > 1:
     raise ConfigError(f"mesh.shape={tuple(shape)} may contain at most one -1.")
+  if any(s == 0 or s < -1 for s in shape):
+    raise ConfigError(f"mesh.shape={tuple(shape)}: every entry must be a positive size or -1.")
   if -1 in shape:
     known = math.prod(s for s in shape if s != -1)
     if n % known:
-      raise ConfigError(f"mesh.shape={tuple(shape)}: {n} devices are not divisible by {known}.")
+      raise ConfigError(f"mesh.shape={tuple(shape)}: {n} devices are not divisible by {known}; "
+                        f"set mesh.shape so its product is {n}.")
     shape[shape.index(-1)] = n // known
-  if math.prod(shape) > n:
-    raise ConfigError(f"mesh.shape={tuple(shape)} needs {math.prod(shape)} devices but {n} are available; "
-                      "set mesh.shape so its product is at most the device count (or use -1 for one axis).")
-  # A smaller mesh uses the first devices (handy to compare 1 vs 8 devices in one process).
-  return Mesh(np.asarray(devices[:math.prod(shape)]).reshape(shape), MESH_AXES)
+  if math.prod(shape) != n:
+    raise ConfigError(f"mesh.shape={tuple(shape)} uses {math.prod(shape)} devices but {n} are available; set "
+                      f"mesh.shape so its product is {n} (or use -1 for one axis, e.g. (-1, 1, 1)). To run on "
+                      "fewer devices, expose fewer (CUDA_VISIBLE_DEVICES, TPU_VISIBLE_CHIPS, or "
+                      "XLA_FLAGS=--xla_force_host_platform_device_count on CPU).")
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("rljax_active_mesh", default=None)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh | None, rules=DEFAULT_RULES) -> Iterator[None]:
+  """Puts `mesh` and the logical-axis rules in scope while a program is traced.
+
+  Without them the model's activation constraints (`constrain`) are no-ops: XLA then follows
+  the fsdp-sharded weights and every device ends up holding the whole batch's activations.
+  Every compiled program (sampler, learner, fused step, evaluation) traces its body under this;
+  it works inside `jit` (unlike `jax.sharding.set_mesh`). `mesh=None` is a no-op.
+  """
+  token = _ACTIVE.set(None if mesh is None else (mesh, rules))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def active_mesh() -> Mesh | None:
+  """The mesh `activate` put in scope, or None."""
+  active = _ACTIVE.get()
+  return None if active is None else active[0]
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+  """Constrains x's sharding by logical axis names under the active mesh (a no-op without one).
+
+  Dimensions the mapped mesh axes do not divide are replicated (`logical_to_spec`), so any
+  model and batch runs on any mesh.
+  """
+  active = _ACTIVE.get()
+  if active is None:
+    return x
+  mesh, rules = active
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical, x.shape, mesh, rules)))
 
 
 def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
@@ -70,7 +121,7 @@ def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: M
       out.append(None)
       continue
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+    axes = tuple(a for a in axes if a not in used and mesh.shape.get(a, 1) > 1)
     size = math.prod(mesh.shape[a] for a in axes)
     if not axes or dim % size:
       # Try the largest prefix of the axes that divides the dimension.
@@ -99,6 +150,68 @@ def batch_sharding(mesh: Mesh, ndim: int, batch_dim_size: int | None = None) -> 
   return NamedSharding(mesh, logical_to_spec(names, shape, mesh))
 
 
+def local_indices(sharding, shape: Sequence[int]) -> np.ndarray:
+  """The global indices along dim 0 that this process's devices hold under `sharding`.
+
+  shape: the global shape of the array (e.g. the prompt batch [P, Lp]). Returns int64 [n_local],
+  sorted and unique: the order of the process-local data `jax.make_array_from_process_local_data`
+  takes, so entry i is the global prompt index of this process's i-th example.
+  """
+  shape = tuple(int(s) for s in shape)
+  held: set[int] = set()
+  for index in sharding.addressable_devices_indices_map(shape).values():
+    held.update(range(shape[0])[index[0]] if index else range(shape[0]))
+  return np.asarray(sorted(held), np.int64)
+
+
+# The sampler's parameter layout: weights in the compute dtype, tensor-parallel over heads, MLP
+# and vocabulary, replicated over data and fsdp. Decoding with the learner's FSDP layout would
+# all-gather every layer's weights for every token (about 13 GB per chip per token for 7B);
+# this layout is made once per step, device to device, and needs no weight collective per token.
+DECODE_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("layers", None),
+    ("embed", None),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("vocab", "tensor"),
+    ("length", None),
+    ("norm", None),
+)
+
+
+def decode_param_shardings(logical_axes_tree, shapes, mesh: Mesh, *, max_bytes_per_device: int | None = None,
+                           dtype=None):
+  """NamedShardings of the sampler's parameter layout (`DECODE_RULES`) for a parameter tree.
+
+  logical_axes_tree: `rljax.models.policy.param_logical_axes(config)`; shapes: a matching tree
+  of arrays or ShapeDtypeStructs. Dimensions `tensor` does not divide stay replicated. With
+  `max_bytes_per_device` (and `dtype`, the decode dtype; default each leaf's own), a layout that
+  does not fit falls back to sharding `embed` over fsdp as well (the learner's layout minus
+  nothing else): weights are then gathered per layer while decoding, which is slower but fits.
+  Use inside the generate program:
+      params = jax.lax.with_sharding_constraint(cast(params, compute_dtype), decode_shardings)
+  """
+  out = tree_shardings(logical_axes_tree, shapes, mesh, DECODE_RULES)
+  if max_bytes_per_device is None:
+    return out
+  if _bytes_per_device(out, shapes, dtype) <= max_bytes_per_device:
+    return out
+  fallback = tuple((name, "fsdp" if name == "embed" else axes) for name, axes in DECODE_RULES)
+  return tree_shardings(logical_axes_tree, shapes, mesh, fallback)
+
+
+def _bytes_per_device(shardings, shapes, dtype=None) -> int:
+  """Bytes one device holds of `shapes` laid out by `shardings`."""
+  total = 0
+  for sh, x in zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes)):
+    local = sh.shard_shape(tuple(x.shape))
+    total += math.prod(local) * np.dtype(dtype or x.dtype).itemsize
+  return total
+
+
 def maybe_initialize_distributed(enabled: bool | None = None, **kwargs) -> bool:
   """Calls `jax.distributed.initialize()` when asked to, or when a cluster environment is detected.
 
@@ -121,8 +234,8 @@ def maybe_initialize_distributed(enabled: bool | None = None, **kwargs) -> bool:
 def allgather_objects(obj: Any) -> list[Any]:
   """Every process's JSON-able `obj`, in process order (a host-side all-gather; [obj] on one process).
 
-  Used to give the reward callback, which runs where the gathered rollout lands, the examples of
-  every process's shard of the batch.
+  Small things only (it is one host collective per call, and every process must call it): the
+  reward metrics of each process (`RewardFn.global_metrics`), a prompt width to agree on.
   """
   if jax.process_count() == 1:
     return [obj]

@@ -2,6 +2,7 @@
 
     python scripts/bench_step.py                      # 1 warm-up + 3 measured steps per side
     python scripts/bench_step.py --steps 5 --skip-trl
+    python scripts/bench_step.py --natural            # EOS honoured on every side; rljax packs its update
 
 The work, identical on both sides: SmolLM2-135M-Instruct exported to a Hugging Face directory
 (both sides load that directory), 8 arithmetic prompts per step x G = 8 completions, 128 new
@@ -20,6 +21,11 @@ Tunix (`google-tunix`, its GRPOLearner on its Llama 3 model code with the `vanil
 engine) runs with `--tunix-python`, a Python from a venv where google-tunix is installed (it pins
 other transformers and flax versions than rljax's). Its step time is the interval between
 consecutive reward calls (it has no step callback), so one extra step is run.
+
+With `--natural`, every side honours EOS (the same prompts, the same 128-token cap), so completions
+have their natural, ragged lengths; rljax then packs its update (`train.pack_tokens`, blocks of 16
+rows' width of real tokens instead of 4 padded micro-batches) and the report adds the update's real
+and padded token counts.
 
 Prints seconds per step (median of the measured steps, warm-up excluded), generated tokens/s,
 peak RSS, and the ratios rljax / peer.
@@ -55,7 +61,7 @@ def export_model(out_dir: str) -> str:
   return rljax.save_pretrained(policy, out_dir)
 
 
-def run_rljax(hf_dir: str, steps: int, work_dir: str) -> dict:
+def run_rljax(hf_dir: str, steps: int, work_dir: str, natural: bool = False) -> dict:
   """The embedded default recipe, resized to the benchmark's work."""
   from rljax.config_overrides import apply_overrides, load_config_file
   from rljax.trainer.loop import Trainer
@@ -63,31 +69,35 @@ def run_rljax(hf_dir: str, steps: int, work_dir: str) -> dict:
   apply_overrides(cfg, [
       f"model.path={hf_dir!r}", f"output.dir={os.path.join(work_dir, 'rljax')!r}",
       f"train.prompts_per_step={PROMPTS}", f"sampling.num_samples={GROUP}",
-      f"sampling.max_new_tokens={NEW_TOKENS}", "sampling.ignore_eos=True", "sampling.temperature=1.0",
-      f"train.steps={steps}", "train.micro_batches=4", "eval.before_and_after=False", "output.export_hf=False",
+      f"sampling.max_new_tokens={NEW_TOKENS}", f"sampling.ignore_eos={not natural}", "sampling.temperature=1.0",
+      f"train.steps={steps}", "eval.before_and_after=False", "output.export_hf=False",
       "output.progress=False", "output.tensorboard=False", "checkpoint.every=0", "checkpoint.resume=False",
   ])
+  width = cfg.data.max_prompt_tokens + NEW_TOKENS
+  apply_overrides(cfg, [f"train.pack_tokens={16 * width}"] if natural else ["train.micro_batches=4"])
   trainer = Trainer(cfg)
   prompts: list[dict] = []
-  set_batch = trainer.reward_fn.set_batch
+  set_batch = trainer.scorer.reward_fn.set_batch
 
   def recording_set_batch(examples, step):  # the benchmark replays these prompts in TRL
     per_prompt = examples if len(examples) == PROMPTS else examples[::GROUP]
     prompts.extend({"messages": list(e["prompt_messages"]), "answer": e["answer"]} for e in per_prompt)
     return set_batch(examples, step=step)
 
-  trainer.reward_fn.set_batch = recording_set_batch
+  trainer.scorer.reward_fn.set_batch = recording_set_batch
   steps_out = []
   for _ in range(steps):
     m = trainer.run_step()
-    steps_out.append({"seconds": m["time/step"], "tokens": m["response/tokens"], "sample": m["time/sample"],
+    steps_out.append({"seconds": m["time/step"], "tokens": m["sampler/tokens"], "sample": m["time/sample"],
                       "score": m["time/score"], "update": m["time/update"], "reward": m["reward/mean"],
-                      "update_mfu": m.get("perf/update_mfu", 0.0), "sample_mfu": m.get("perf/sample_mfu", 0.0)})
-  trainer.pool.close()
+                      "update_mfu": m.get("perf/update_mfu", 0.0), "sample_mfu": m.get("perf/sample_mfu", 0.0),
+                      "real_tokens": m.get("num_tokens", 0.0), "packed_tokens": m.get("packed_tokens", 0.0),
+                      "padded_tokens": m.get("padded_tokens", 0.0)})
+  trainer.scorer.pool.close()
   return {"steps": steps_out, "prompts": prompts, "peak_rss_gib": peak_rss_gib()}
 
 
-def run_trl(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> dict:
+def run_trl(hf_dir: str, steps: int, work_dir: str, prompts: list[dict], natural: bool = False) -> dict:
   import datasets
   import torch
   import transformers
@@ -116,7 +126,7 @@ def run_trl(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> dict
   args = trl.GRPOConfig(
       output_dir=os.path.join(work_dir, "trl"), per_device_train_batch_size=PROMPTS * GROUP,
       gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=NEW_TOKENS,
-      generation_kwargs={"min_new_tokens": NEW_TOKENS}, temperature=1.0, top_p=1.0, top_k=0,
+      generation_kwargs={} if natural else {"min_new_tokens": NEW_TOKENS}, temperature=1.0, top_p=1.0, top_k=0,
       learning_rate=1e-5, beta=0.0, loss_type="grpo", num_iterations=1, max_steps=steps, logging_steps=1,
       save_strategy="no", report_to="none", use_cpu=True, bf16=False, shuffle_dataset=False,
       disable_tqdm=True, seed=0)
@@ -185,10 +195,11 @@ def run_tunix(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> di
           "peak_rss_gib": peak_rss_gib(), "versions": f"google-tunix, jax {jax.__version__}"}
 
 
-def _child(side: str, hf_dir: str, steps: int, work_dir: str, python: str = sys.executable) -> dict:
+def _child(side: str, hf_dir: str, steps: int, work_dir: str, python: str = sys.executable,
+           natural: bool = False) -> dict:
   out = os.path.join(work_dir, f"{side}.json")
   cmd = [python, os.path.abspath(__file__), "--side", side, "--hf-dir", hf_dir, "--steps", str(steps),
-         "--work-dir", work_dir]
+         "--work-dir", work_dir] + (["--natural"] if natural else [])
   subprocess.run(cmd, check=True)
   with open(out) as f:
     return json.load(f)
@@ -199,7 +210,8 @@ def summarise(name: str, result: dict, warmup: int) -> dict:
   seconds = statistics.median(s["seconds"] for s in measured)
   tokens = statistics.median(s["tokens"] for s in measured)
   row = {"side": name, "s_per_step": seconds, "tokens_per_s": tokens / seconds, "peak_rss_gib": result["peak_rss_gib"]}
-  for phase in ("sample", "score", "update", "update_mfu", "sample_mfu"):
+  for phase in ("sample", "score", "update", "update_mfu", "sample_mfu", "real_tokens", "packed_tokens",
+                "padded_tokens"):
     if phase in measured[0]:
       row[phase] = statistics.median(s[phase] for s in measured)
   return row
@@ -210,6 +222,7 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=3, help="measured steps per side (median reported)")
   p.add_argument("--warmup", type=int, default=1, help="steps excluded from the figures (compilation, caches)")
   p.add_argument("--skip-trl", action="store_true")
+  p.add_argument("--natural", action="store_true", help="honour EOS on every side; rljax packs its update")
   add_json_arg(p)
   p.add_argument("--tunix-python", default="",
                  help="a Python with google-tunix installed (its own venv: it pins other transformers/flax)")
@@ -220,12 +233,14 @@ def main(argv=None):
 
   if args.side:  # a child process: run one side and write its figures
     if args.side == "rljax":
-      result = run_rljax(args.hf_dir, args.steps, args.work_dir)
+      result = run_rljax(args.hf_dir, args.steps, args.work_dir, args.natural)
     else:
       with open(os.path.join(args.work_dir, "rljax.json")) as f:
         prompts = json.load(f)["prompts"]
-      run = run_trl if args.side == "trl" else run_tunix
-      result = run(args.hf_dir, args.steps, args.work_dir, prompts)
+      if args.side == "trl":
+        result = run_trl(args.hf_dir, args.steps, args.work_dir, prompts, args.natural)
+      else:
+        result = run_tunix(args.hf_dir, args.steps, args.work_dir, prompts)
     with open(os.path.join(args.work_dir, f"{args.side}.json"), "w") as f:
       json.dump(result, f)
     return None
@@ -233,23 +248,26 @@ def main(argv=None):
   total = args.warmup + args.steps
   with tempfile.TemporaryDirectory() as work:
     hf_dir = export_model(os.path.join(work, "smollm2-hf"))
-    rows = [summarise("rljax", _child("rljax", hf_dir, total, work), args.warmup)]
+    rows = [summarise("rljax", _child("rljax", hf_dir, total, work, natural=args.natural), args.warmup)]
     if not args.skip_trl:
-      trl_result = _child("trl", hf_dir, total, work)
+      trl_result = _child("trl", hf_dir, total, work, natural=args.natural)
       rows.append(summarise("TRL GRPOTrainer", trl_result, args.warmup))
       print(f"peer: {trl_result['versions']}")
     if args.tunix_python:
       tunix_result = _child("tunix", hf_dir, total, work, python=args.tunix_python)
       rows.append(summarise("Tunix GRPOLearner", tunix_result, args.warmup))
-  print(f"work: {PROMPTS} prompts x G={GROUP} x {NEW_TOKENS} new tokens per step, SmolLM2-135M float32; "
-        f"median of {args.steps} steps after {args.warmup} warm-up")
+  print(f"work: {PROMPTS} prompts x G={GROUP} x {'at most ' if args.natural else ''}{NEW_TOKENS} new tokens per "
+        f"step, SmolLM2-135M float32; median of {args.steps} steps after {args.warmup} warm-up")
   r, peers = rows[0], rows[1:]
-  work = f"GRPO step, {PROMPTS} prompts x G={GROUP} x {NEW_TOKENS} tokens"
+  work = f"GRPO step, {PROMPTS} prompts x G={GROUP} x {'<= ' if args.natural else ''}{NEW_TOKENS} tokens"
   results = [Result(f"{work}: seconds per step", f"{r['s_per_step']:.1f} s (sample {r['sample']:.1f}, score "
                     f"{r['score']:.2f}, update {r['update']:.1f})")]
   results += [Result(f"{work}: seconds per step", "", f"{q['side']} {q['s_per_step']:.1f} s",
                      f"{q['s_per_step'] / r['s_per_step']:.2f}x faster") for q in peers]
   results.append(Result(f"{work}: update phase, fraction of measured matmul peak", f"{r['update_mfu']:.0%}"))
+  if args.natural:
+    results.append(Result(f"{work}: update tokens (trained / computed packed / padded rows)",
+                          f"{r['real_tokens']:.0f} / {r['packed_tokens']:.0f} / {r['padded_tokens']:.0f}"))
   for q in peers:
     results.append(Result(f"{work}: peak RSS", f"{r['peak_rss_gib']:.1f} GiB", f"{q['side']} {q['peak_rss_gib']:.1f} GiB",
                           f"{r['peak_rss_gib'] / q['peak_rss_gib']:.2f}x the memory"))

@@ -380,7 +380,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
                         policy.params)
   opt_state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(OPT.init, params))
   state = TrainState(step=jnp.int32(3), params=params, opt_state=opt_state, rng=jnp.zeros(2, jnp.uint32),
-                     skipped_total=jnp.int32(0), skipped_consecutive=jnp.int32(0), ref_params=None)
+                     ref_params=None)
   ck_dir = tmp_path / "ck"
   with Checkpointer(ck_dir) as ck:
     ck.save(3, state, extras={"model_config": policy.config.to_hf(), "tokenizer": str(src)})

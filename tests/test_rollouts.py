@@ -43,7 +43,7 @@ def test_staleness_zero_reproduces_the_fused_mode(tmp_path, fused, mode):
   want, want_params, fused_trainer = fused
   got, params, trainer = run_steps(smoke(tmp_path, f"rollout.mode={mode!r}", "rollout.max_staleness=0"), 3)
   for a, b in zip(got, want):
-    assert a["response/tokens"] == b["response/tokens"]
+    assert a["sampler/tokens"] == b["sampler/tokens"]
     assert a["reward/mean"] == b["reward/mean"]
     assert a["rollout/staleness"] == 0
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
@@ -73,7 +73,7 @@ def test_one_step_off_policy_is_corrected(tmp_path, fused, mode):
     # The sampler ran parameters one update older than lp_old's: they differ, and the weight is not 1.
     assert m["sampler_logprob_diff"] > 1e-4
     assert m["tis_weight_mean"] != pytest.approx(1.0, abs=1e-6)
-  assert trainer.rollouts.counts["batches_dropped"] == 0
+  assert trainer.runner.counts["batches_dropped"] == 0
 
 
 def test_sampler_as_proximal_policy(tmp_path, fused):
@@ -122,7 +122,7 @@ def test_async_staleness_bound_holds_under_a_slow_learner(tmp_path):
   assert sum(m["rollout/generator_idle_s"] for m in got) > 0
   hist = [sum(m[f"rollout/staleness_{s}"] for m in got) for s in range(3)]
   assert sum(hist) == steps and hist[2] >= 1
-  assert trainer.rollouts.counts == {"batches_generated": steps, "batches_trained": steps, "batches_dropped": 0}
+  assert trainer.runner.counts == {"batches_generated": steps, "batches_trained": steps, "batches_dropped": 0}
 
 
 def test_async_staleness_bound_holds_under_a_slow_verifier(tmp_path):
@@ -136,7 +136,7 @@ def test_async_staleness_bound_holds_under_a_slow_verifier(tmp_path):
   assert all(0 <= m["rollout/staleness"] <= 1 for m in got)
   assert sum(m["rollout/learner_idle_s"] for m in got[1:]) > 0.3     # waiting for the scorer
   assert all(m["reward/mean"] > 0.1 for m in got)                     # real scores, not the fallback
-  assert trainer.rollouts.counts["batches_dropped"] == 0
+  assert trainer.runner.counts["batches_dropped"] == 0
 
 
 def test_async_pool_crash_loses_no_batches(tmp_path, verifier_module):
@@ -148,15 +148,17 @@ def test_async_pool_crash_loses_no_batches(tmp_path, verifier_module):
   trainer = Trainer(cfg)
   try:
     got = [trainer.run_step() for _ in range(2)]
-    trainer.pool.close()   # the pool is gone: the scorer must restart it and rescore, not drop the batch
+    trainer.scorer.pool.close()   # the pool is gone: the scorer must restart it and rescore, not drop the batch
     got += [trainer.run_step() for _ in range(steps - 2)]
   finally:
     trainer.close()
   assert os.path.exists(tmp_path / "killed")
-  assert sum(m.get("verifier/crashes", 0) for m in got) >= 1               # the zygote kill was seen
+  # The zygote kill was seen: its workers were restarted. The item that killed it kills only once,
+  # so its lone re-run scores and nothing is convicted as a crash (rljax/rewards/pool.py).
+  assert sum(m.get("verifier/restarts", 0) for m in got) >= 1
   assert max(m["rollout/score_attempts"] for m in got) >= 2                 # rescored on a fresh pool
   assert all(np.isfinite(m["loss"]) for m in got) and len(got) == steps
-  assert trainer.rollouts.counts == {"batches_generated": steps, "batches_trained": steps, "batches_dropped": 0}
+  assert trainer.runner.counts == {"batches_generated": steps, "batches_trained": steps, "batches_dropped": 0}
   assert int(trainer.state.step) == steps
 
 
@@ -193,7 +195,7 @@ def test_partial_rollouts_carry_unfinished_groups(tmp_path):
   consistent with the learner's forward (lp_old recomputed with parameters that barely moved
   equals them), so resuming from the prefix lost nothing."""
   got, _, trainer = run_steps(partial(tmp_path, "train.steps=5", "optim.learning_rate=1e-9"), 5)
-  counts = trainer.rollouts.counts
+  counts = trainer.runner.counts
   assert counts["groups_carried"] > 0 and counts["batches_trained"] == 5 and counts["groups_trained"] == 20
   assert max(m["rollout/rounds_mean"] for m in got) > 1
   assert all(m["rollout/staleness"] <= 1 for m in got)
@@ -207,7 +209,7 @@ def test_partial_rollouts_carry_unfinished_groups(tmp_path):
 def test_partial_rollouts_drop_groups_past_the_staleness_bound(tmp_path):
   """With max_staleness=0 nothing may be trained off-policy: every carried group is dropped."""
   got, _, trainer = run_steps(partial(tmp_path, "rollout.max_staleness=0", "train.steps=4"), 4)
-  assert trainer.rollouts.counts["groups_dropped"] > 0
+  assert trainer.runner.counts["groups_dropped"] > 0
   assert all(m["rollout/staleness"] == 0 and m["rollout/rounds_mean"] == 1 for m in got)
   assert not trainer.spec.recompute_old_logprobs
 

@@ -6,7 +6,9 @@ H / K = query / key-value heads, Dh = head dim, F = MLP width, V = vocab, L = la
 One forward serves training, prefill and decode:
 
 - without a cache, token t attends to tokens s <= t of the same row whose
-  `token_mask` is set (ragged batches, left or right padding);
+  `token_mask` is set (ragged batches, left or right padding) and, when
+  `segment_ids` are given, of the same segment (packed rows); the backend is
+  `config.attention` (rljax.models.attention: xla, chunked, cudnn, splash, auto);
 - with a cache, the T new tokens are written at slots [index, index + T) and
   attend to every earlier slot whose `kv_mask` is set.
 
@@ -23,6 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from rljax import sharding as shd
+from rljax.models.attention import attend
 from rljax.models.config import ModelConfig
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -108,7 +112,10 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, cos, sin, mask, layer_cache, prefix=None):
-    """x: [B, T, D]; mask: [B, T, S] bool; layer_cache: (k [B, K, Dh, S], v [B, K, S, Dh], index) or None.
+    """x: [B, T, D]; layer_cache: (k [B, K, Dh, S], v [B, K, S, Dh], index) or None.
+
+    mask: with a cache, [B, T, S] bool; without, (token_mask [B, T] bool, segment_ids [B, T] int32
+    or None), which `attend` turns into causal, padding and segment masking block by block.
 
     prefix (with a cache only): a read-only cache shared by groups of B / P consecutive rows,
     (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp] bool), attended before the row's own cache.
@@ -136,11 +143,8 @@ class Attention(nn.Module):
     qg = q.reshape(b, t, k, h // k, dh)
     new_cache = None
     if layer_cache is None:
-      scores = jnp.einsum("btkrd,bskd->bkrts", qg, key, preferred_element_type=jnp.float32)
-      scores = scores / math.sqrt(dh)
-      scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-      out = jnp.einsum("bkrts,bskd->btkrd", probs, val)
+      token_mask, segment_ids = mask
+      out = attend(qg, key, val, token_mask=token_mask, segment_ids=segment_ids, impl=c.attention)
     else:
       ck, cv, index = layer_cache
       ck = jax.lax.dynamic_update_slice_in_dim(ck, key.transpose(0, 2, 3, 1).astype(ck.dtype), index, axis=3)
@@ -223,7 +227,7 @@ class DecoderLayer(nn.Module):
     x = x + attn
     h = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype, name="post_attn_norm")(x)
     x = x + MLP(c, name="mlp")(h)
-    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    x = shd.constrain(x, ("batch", "length", "embed"))
     return x, new_cache
 
 
@@ -255,8 +259,12 @@ class Transformer(nn.Module):
     """[D, V] projection from final hidden states to logits."""
     return self.embed.T if self.config.tie_word_embeddings else self.lm_head
 
-  def __call__(self, tokens, positions, token_mask=None, cache: KVCache | None = None, *, return_hidden=False):
+  def __call__(self, tokens, positions, token_mask=None, cache: KVCache | None = None, *, segment_ids=None,
+               return_hidden=False):
     """tokens, positions: [B, T] int32; token_mask: [B, T] bool (default all valid).
+
+    segment_ids (without a cache only): [B, T] int32, packed rows whose tokens attend only within
+    their segment (default None: one segment per row); give each segment its own positions.
 
     Returns (out, new_cache): out is [B, T, V] float32 logits, or the final-normed
     hidden states [B, T, D] in the compute dtype when `return_hidden` (for chunked
@@ -267,14 +275,15 @@ class Transformer(nn.Module):
     if token_mask is None:
       token_mask = jnp.ones((b, t), bool)
     x = jnp.take(self.embed, tokens, axis=0).astype(c.compute_dtype)
-    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    x = shd.constrain(x, ("batch", "length", "embed"))
     cos, sin = rope_tables(positions, c)
 
     if cache is None:
-      causal = jnp.tril(jnp.ones((t, t), bool))
-      mask = causal[None] & token_mask[:, None, :]
+      mask = (token_mask, segment_ids)  # O(B * T): no [B, T, T] mask (rljax.models.attention)
       layer_caches, index = None, jnp.zeros((), jnp.int32)
     else:
+      if segment_ids is not None:
+        raise ValueError("segment_ids are for the forward without a cache (packed training rows).")
       s = cache.kv_mask.shape[1]
       index = cache.index
       kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.kv_mask, token_mask, index, axis=1)

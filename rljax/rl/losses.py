@@ -291,16 +291,31 @@ def policy_loss(lp: jax.Array, lp_old: jax.Array | None, adv: jax.Array, mask: j
   return loss, metrics
 
 
+def metric_reduction(name: str) -> str:
+  """How a `policy_loss` metric combines over the parts of a batch: "max" for *_max, "min" for
+  *_min, otherwise "sum" (every other metric is already normalised by the global denominators,
+  so the parts add up to the whole batch's value)."""
+  if name.endswith("_max"):
+    return "max"
+  if name.endswith("_min"):
+    return "min"
+  return "sum"
+
+
 def combine_metrics(acc: dict[str, jax.Array], new: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Combines two micro-batches' `policy_loss` metrics: max for *_max, min for *_min, else sum."""
-  out = {}
-  for key, value in new.items():
-    if key not in acc:
-      out[key] = value
-    elif key.endswith("_max"):
-      out[key] = jnp.maximum(acc[key], value)
-    elif key.endswith("_min"):
-      out[key] = jnp.minimum(acc[key], value)
-    else:
-      out[key] = acc[key] + value
-  return out
+  """Combines two micro-batches' `policy_loss` metrics by `metric_reduction`."""
+  ops = {"max": jnp.maximum, "min": jnp.minimum, "sum": jnp.add}
+  return {key: value if key not in acc else ops[metric_reduction(key)](acc[key], value)
+          for key, value in new.items()}
+
+
+def reduce_stacked(stacked: dict[str, jax.Array], over: str) -> dict[str, jax.Array]:
+  """Reduces metrics stacked along axis 0 (the outputs of a `lax.scan`).
+
+  over="micro_batches": the parts of one optimizer update, combined by `metric_reduction`
+  (sum / max / min), which gives the update's value. over="updates": the optimizer updates of a
+  step (mini-batches x epochs), each a value in its own right: their mean, or max / min.
+  """
+  ops = {"micro_batches": {"sum": jnp.sum, "max": jnp.max, "min": jnp.min},
+         "updates": {"sum": jnp.mean, "max": jnp.max, "min": jnp.min}}[over]
+  return {key: ops[metric_reduction(key)](value, axis=0) for key, value in stacked.items()}

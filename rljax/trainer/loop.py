@@ -20,6 +20,7 @@ from rljax.models.policy import Policy, init_params, param_shardings
 from rljax.trainer.metrics import MetricsWriter, to_floats
 from rljax.trainer.optim import make_optimizer
 from rljax.trainer.state import TrainState
+from rljax.trainer.hooks import StepInfo
 from rljax.trainer.step import StepSpec
 
 log = logging.getLogger("rljax")
@@ -47,11 +48,13 @@ def load_policy(model_cfg, tokenizer_path: str = "") -> Policy:
                      num_layers=r.num_layers, num_heads=r.num_heads, num_kv_heads=r.num_kv_heads,
                      head_dim=r.head_dim, architecture=r.architecture, tie_word_embeddings=r.tie_word_embeddings,
                      eos_token_ids=(tok.eos_id,) if tok is not None and tok.eos_id is not None else (),
-                     dtype=model_cfg.dtype, remat=model_cfg.remat, max_position_embeddings=4096)
+                     dtype=model_cfg.dtype, remat=model_cfg.remat, attention=model_cfg.attention,
+                     max_position_embeddings=config_lib.RANDOM_MODEL_CONTEXT)
     return Policy(mc, init_params(mc, jax.random.key(r.seed)), tokenizer=tok, source="random")
   from rljax.models.io import load_pretrained
   policy = load_pretrained(model_cfg.path)
-  policy = dataclasses.replace(policy, config=policy.config.replace(dtype=model_cfg.dtype, remat=model_cfg.remat))
+  policy = dataclasses.replace(policy, config=policy.config.replace(dtype=model_cfg.dtype, remat=model_cfg.remat,
+                                                                          attention=model_cfg.attention))
   if tokenizer_path:
     from rljax.tokenizer import load_tokenizer
     policy = dataclasses.replace(policy, tokenizer=load_tokenizer(tokenizer_path))
@@ -73,47 +76,101 @@ def sampling_params(cfg, tokenizer, *, greedy=False, max_new_tokens=None, num_sa
       stop_token_ids=tuple(sorted(set(tokenizer.stop_ids) | {int(i) for i in s.stop_token_ids})) if stops else ())
 
 
+class PromptFeed:
+  """The loop's data position: hands out prompt batches and remembers where each one ended.
+
+  `next(sharding)` gives a `Prompts` with device arrays [P*O, Lp] on `sharding`; `next_host()`
+  gives the host `PromptBatch` (for producers that pad prompts themselves). Either also returns
+  the batcher state just after the batch, which is what a checkpoint of the step trained on it
+  saves, so a resume draws the next batch.
+  """
+
+  def __init__(self, batcher):
+    self.batcher = batcher
+    self._batches = iter(batcher)
+
+  def restore(self, data_state: dict) -> None:
+    self.batcher.restore(data_state)
+    self._batches = iter(self.batcher)
+
+  def next_host(self):
+    try:
+      batch = next(self._batches)
+    except StopIteration:
+      raise DataExhausted("the dataset ran out (config.data.num_epochs reached); "
+                          "raise num_epochs or set it to None to cycle forever.") from None
+    return batch, self.batcher.state()
+
+  def next(self, sharding):
+    from rljax.trainer.rollouts import Prompts
+    batch, data_state = self.next_host()
+    ids = jax.make_array_from_process_local_data(sharding, np.asarray(batch.prompt_ids, np.int32))
+    mask = jax.make_array_from_process_local_data(sharding, np.asarray(batch.prompt_mask, bool))
+    return Prompts(list(batch.examples), ids, mask, data_state)
+
+
+# Namespaces of the metrics the host adds to the update's device metrics; a name in both is a bug.
+HOST_NAMESPACES = ("reward/", "verifier/", "info/", "time/", "throughput/", "perf/", "data/", "rollout/", "tools/")
+
+
 class Trainer:
-  """Owns the pieces of a run. `Trainer(config).run()` trains and returns a summary dict."""
+  """Owns a run: its train state, data position and metrics. `Trainer(config).run()` trains.
+
+  The loop is one path per step: the runner of config.rollout.mode takes the state and the prompt
+  feed and returns the new state and what the step measured (trainer/rollouts.py); the loop keeps
+  the state, the data position and the metrics, and runs its hooks (log, evaluate, checkpoint)
+  every so many steps.
+  """
 
   def __init__(self, config: ml_collections.ConfigDict):
     config_lib.validate(config)
     self.config = config
     self.out_dir = config.output.dir
+    from rljax.trainer import rundir
+    # A run dir holding a run with another config is refused here, before anything is written.
+    rundir.check_resume(config, self.out_dir, overwrite=not config.checkpoint.resume, allow_finished=True)
     os.makedirs(self.out_dir, exist_ok=True)
     shd.maybe_initialize_distributed(config.mesh.distributed or None)
     if config.rollout.mode != "fused" and jax.process_count() > 1:
       raise ConfigError(f"config.rollout.mode={config.rollout.mode!r} runs in one process for now; multi-process "
                         "runs use rollout.mode='fused'.")
-    from rljax.trainer.rollouts import make_rollouts, split_devices
+    from rljax.trainer.rollouts import split_devices
     learner_devices, generator_devices = split_devices(config)
     self.mesh = shd.make_mesh(tuple(config.mesh.shape), devices=learner_devices)
     self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
-    self.policy = load_policy(config.model, config.tokenizer)
-    self.tokenizer = self.policy.tokenizer
-    config_lib.check_model_fits(config, self.policy.config.max_position_embeddings)
+    policy = load_policy(config.model, config.tokenizer)
+    self.model_config, self.tokenizer = policy.config, policy.tokenizer
+    config_lib.check_model_fits(config, self.model_config.max_position_embeddings)
     self.loss_cfg = config_lib.loss_config(config)
     t = config.train
-    self.oversample = t.oversample if t.dynamic_sampling else 1
+    self.oversample = config_lib.dynamic_oversample(config)
     self._peak_flops: float | None = None
     # Rollouts honour sampling.ignore_eos; evaluation always stops at the tokenizer's stop tokens.
     self.sp = sampling_params(config, self.tokenizer, stops=not config.sampling.ignore_eos)
+    recompute = config_lib.recompute_old_logprobs(config)
     self.spec = StepSpec(
-        model=self.policy.config, sampling=self.sp, loss=self.loss_cfg, prompts=t.prompts_per_step,
+        model=self.model_config, sampling=self.sp, loss=self.loss_cfg, prompts=t.prompts_per_step,
         mini_batches=t.mini_batches, epochs=t.epochs, micro_batches=t.micro_batches,
-        eos_ids=self.sp.stop_token_ids, oversample=self.oversample,
-        recompute_old_logprobs=config_lib.recompute_old_logprobs(config))
+        eos_ids=self.sp.stop_token_ids, oversample=self.oversample, recompute_old_logprobs=recompute,
+        gap_rows=0 if recompute else self.sp.num_samples, pack_tokens=t.pack_tokens)
     self.batch_rows = t.prompts_per_step * self.oversample    # prompts sampled per step, all processes
     self.total_updates = max(t.steps * t.mini_batches * t.epochs, 1)
     self.optimizer, self.schedule = make_optimizer(config.optim, self.total_updates)
-    if jax.process_index() == 0:
-      with open(os.path.join(self.out_dir, "config.json"), "w") as f:
-        f.write(config_lib.to_json(config))
     self._setup_tools()
     self._setup_data()
     self._setup_rewards()
-    self._setup_state()
-    self.rollouts = make_rollouts(self)
+    self._setup_state(policy.params)
+    del policy   # the state holds the parameters now; no second copy is kept for the run
+    from rljax.trainer.rollouts import RunContext, make_runner
+    self.runner = make_runner(RunContext(
+        spec=self.spec, optimizer=self.optimizer, schedule=self.schedule, mesh=self.mesh,
+        state_shardings=self.state_shardings, batch_rows=self.batch_rows, scorer=self.scorer,
+        rollout_cfg=config.rollout, steps=t.steps, max_staleness=config_lib.max_staleness(config),
+        start_step=self.start_step, generator_mesh=self.generator_mesh,
+        tool_engine=self.tool_rollout(self.sp) if config.tools.enabled else None,
+        pad_id=int(self.tokenizer.pad_id or 0), max_prompt_tokens=config.data.max_prompt_tokens), self.state)
+    from rljax.trainer.hooks import default_hooks
+    self.hooks = default_hooks(self)
 
   # ---- setup ------------------------------------------------------------------------------
 
@@ -136,7 +193,7 @@ class Trainer:
     tl = self.config.tools
     tp = TurnParams(max_turns=tl.max_turns, segment_tokens=tl.segment_tokens, slots=tl.slots,
                     max_response_tokens=tl.max_response_tokens)
-    return ToolRollout(self.policy.config, self.tokenizer, self.tool_runner, sp, tp, fmt=tl.format,
+    return ToolRollout(self.model_config, self.tokenizer, self.tool_runner, sp, tp, fmt=tl.format,
                        eos_ids=sp.stop_token_ids)
 
   def _setup_data(self):
@@ -153,7 +210,7 @@ class Trainer:
     self.batcher = PromptBatcher(self.train_data, self.tokenizer,
                                  prompts_per_batch=local_prompts,
                                  max_prompt_tokens=c.data.max_prompt_tokens, tools=self.prompt_tools)
-    self._batches = iter(self.batcher)
+    self.feed = PromptFeed(self.batcher)
     self.data_state = self.batcher.state()   # of the last batch trained on: what a checkpoint saves
     self.eval_data = None
     if c.eval.every or c.eval.before_and_after:
@@ -161,29 +218,26 @@ class Trainer:
 
   def _setup_rewards(self):
     from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
+    from rljax.trainer.rollouts import Scorer
     spec = RewardSpec.from_dict(self.config.rewards.to_dict())
-    self.reward_spec = spec
-    self.pool = RewardPool(spec)
-    self.component_names = [comp["name"] for comp in spec.to_dict()["components"]] if hasattr(
-        spec, "to_dict") else [comp.name for comp in spec.components]
+    self.component_names = [comp.name for comp in spec.components]
     # Rewards come back sharded like the batch: left on one device, they pulled the fused step
     # off the mesh (6x slower on 8 simulated devices, measured).
     rows = self.batch_rows * self.sp.num_samples
-    self.reward_fn = make_reward_fn(self.pool, self.tokenizer.batch_decode, group_size=self.sp.num_samples,
-                                    sharding=shd.batch_sharding(self.mesh, 1, rows))
+    self.scorer = Scorer(spec, lambda: RewardPool(spec), lambda pool: make_reward_fn(
+        pool, self.tokenizer.batch_decode, group_size=self.sp.num_samples,
+        sharding=shd.batch_sharding(self.mesh, 1, rows)))
 
-  def _setup_state(self):
+  def _setup_state(self, params):
     c = self.config
-    mc = self.policy.config
-    self.param_shardings = param_shardings(mc, self.mesh)
-    params = jax.device_put(self.policy.params, self.param_shardings)
+    self.param_shardings = param_shardings(self.model_config, self.mesh)
+    params = jax.device_put(params, self.param_shardings)
     ref = params if self.loss_cfg.needs_reference else None
     if ref is not None:
       ref = jax.tree.map(jnp.copy, ref)
     state = TrainState.create(params, self.optimizer, c.train.seed, ref_params=ref)
     self.state_shardings = _state_shardings(state, self.mesh, self.param_shardings)
     self.state = jax.device_put(state, self.state_shardings)
-    self.batch_sharding = shd.batch_sharding(self.mesh, 2, self.batch_rows)
     from rljax.trainer.checkpoint import Checkpointer
     self.ckpt = Checkpointer(os.path.join(self.out_dir, "checkpoints"), keep_last=c.checkpoint.keep_last,
                              keep_best=c.checkpoint.keep_best, best_metric=c.checkpoint.best_metric,
@@ -194,62 +248,43 @@ class Trainer:
       abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
                               self.state_shardings)
       self.state, extras = self.ckpt.restore(abstract_state=abstract)
-      self.batcher.restore(extras["data"])
-      self._batches = iter(self.batcher)
+      self.feed.restore(extras["data"])
       self.data_state = self.batcher.state()
       self.history = extras.get("metrics", [])
       self.start_step = int(self.state.step)
       log.info("resumed from %s at step %d", self.ckpt.directory, self.start_step)
+
   # ---- the loop ---------------------------------------------------------------------------
 
-  def next_prompts(self):
-    """The next host-side PromptBatch; DataExhausted at the end of a finite dataset."""
-    try:
-      return next(self._batches)
-    except StopIteration:
-      raise DataExhausted("the dataset ran out (config.data.num_epochs reached); "
-                          "raise num_epochs or set it to None to cycle forever.") from None
-
-  def next_batch(self, sharding=None):
-    """The next prompt batch, as (PromptBatch, ids, mask) with ids/mask [P*O, Lp] on `sharding`."""
-    sharding = sharding or self.batch_sharding
-    batch = self.next_prompts()
-    ids = jax.make_array_from_process_local_data(sharding, np.asarray(batch.prompt_ids, np.int32))
-    mask = jax.make_array_from_process_local_data(sharding, np.asarray(batch.prompt_mask, bool))
-    return batch, ids, mask
-
   def run_step(self) -> dict[str, float]:
-    """One rollout step (in config.rollout.mode); returns its host-side metrics."""
-    return self.rollouts.step()
+    """One rollout step (in config.rollout.mode): the runner's new state is kept, and so is the
+    data position after the batch it trained on. Returns the step's host-side metrics."""
+    self.state, out = self.runner.step(self.state, self.feed)
+    self.data_state = out.data_state
+    return self.host_metrics(out)
 
-  def host_metrics(self, metrics: dict, reward_metrics: dict, step_s: float, phases: dict[str, float],
-                   prompt_len: int) -> dict[str, float]:
-    """A step's device metrics plus the reward pool's, timings (time/step, time/<phase>) and FLOP/s."""
-    out = to_floats({k: v for k, v in metrics.items() if k != "reward/components"})
-    for name, value in zip(self.component_names, np.asarray(metrics["reward/components"]).reshape(-1)):
-      out[f"reward/{name}"] = float(value)
-    out.update({k: float(v) for k, v in reward_metrics.items()})
-    out["time/step"] = step_s
-    out.update({f"time/{phase}": s for phase, s in phases.items()})
-    out["throughput/tokens_per_s"] = out["response/tokens"] / max(step_s, 1e-9)
-    out.update(self._perf_metrics(out, prompt_len=prompt_len))
-    out["data/" + "filtered_too_long"] = float(self.batcher.stats().get("filtered_too_long", 0))
-    return out
-
-  def restart_reward_pool(self) -> None:
-    """Replaces a failed reward pool with a fresh one (the rollout modes rescore on it)."""
-    from rljax.rewards import RewardPool
-    try:
-      self.pool.close()
-    except Exception:  # noqa: BLE001 - it has already failed
-      pass
-    self.pool = RewardPool(self.reward_spec)
-    self.reward_fn.pool = self.pool
+  def host_metrics(self, out) -> dict[str, float]:
+    """A step's device metrics plus the reward pool's, the runner's, timings and FLOP/s."""
+    m = to_floats(out.metrics)
+    host = dict(out.reward_metrics)
+    host.update(out.extra)
+    host["time/step"] = out.seconds
+    host.update({f"time/{phase}": s for phase, s in out.phases.items()})
+    host["throughput/tokens_per_s"] = m["sampler/tokens"] / max(out.seconds, 1e-9)
+    host["data/filtered_too_long"] = float(self.batcher.stats().get("filtered_too_long", 0))
+    clash = sorted(set(m) & set(host))
+    if clash or any(k.startswith(HOST_NAMESPACES) for k in m):
+      raise RljaxError(f"metrics {clash or [k for k in m if k.startswith(HOST_NAMESPACES)]} are computed on both "
+                       "the device and the host (a bug): device metrics must stay out of the host namespaces "
+                       f"{HOST_NAMESPACES}.")
+    m.update({k: float(v) for k, v in host.items()})
+    m.update(self._perf_metrics(m, prompt_len=out.prompt_len))
+    return m
 
   def close(self) -> None:
     """Stops the rollout threads and the reward pool (run() does this itself)."""
-    self.rollouts.close()
-    self.pool.close()
+    self.runner.close()
+    self.scorer.close()
     if self.tool_runner is not None:
       self.tool_runner.close()
 
@@ -266,22 +301,28 @@ class Trainer:
         group=spec.group, prompt_len=prompt_len, decode_steps=int(m["response_length_max"]),
         completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra)
     out = {"perf/flops_per_s": (work["sample"] + work["update"]) / max(m["time/step"], 1e-9)}
-    out["perf/mfu"] = out["perf/flops_per_s"] / self._peak_flops
+    out["perf/mfu"] = flops.utilization(out["perf/flops_per_s"], self._peak_flops)
     # In the decoupled modes a phase's time is the wait for it, not its duration: no per-phase MFU.
     for phase in ("sample", "update") if self.config.rollout.mode == "fused" else ():
       if m.get(f"time/{phase}", 0.0) > 0:
-        out[f"perf/{phase}_mfu"] = work[phase] / m[f"time/{phase}"] / self._peak_flops
+        out[f"perf/{phase}_mfu"] = flops.utilization(work[phase] / m[f"time/{phase}"], self._peak_flops)
     return out
 
   def run(self) -> dict[str, Any]:
     c = self.config
-    writer = MetricsWriter(self.out_dir, tensorboard=c.output.tensorboard, writing=jax.process_index() == 0)
+    writing = jax.process_index() == 0
+    if writing:   # the run dir's record of its config: written when training starts, never by a dry run
+      from rljax.trainer import rundir
+      rundir.write_config(c, self.out_dir)
+    writer = MetricsWriter(self.out_dir, tensorboard=c.output.tensorboard, writing=writing,
+                           start_step=self.start_step)
     summary: dict[str, Any] = {"output_dir": self.out_dir}
     try:
       if c.eval.before_and_after and self.eval_data is not None and self.start_step == 0:
         summary["eval_before"] = self.evaluate("before")
         writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
-      progress = _progress(c.train.steps, self.start_step, c.output.progress and jax.process_index() == 0)
+      for hook in self.hooks:
+        hook.start(self, writer)
       for step in range(self.start_step, c.train.steps):
         try:
           m = self.run_step()
@@ -289,24 +330,17 @@ class Trainer:
           self.save(force=True)   # keep everything trained so far, then stop
           raise
         self.history.append({k: m[k] for k in ("reward/mean", "loss", "time/step") if k in m})
-        writer.write(step + 1, m)
-        progress.update(1)
-        progress.set_postfix({"reward": f"{m.get('reward/mean', 0):.3f}", "loss": f"{m.get('loss', 0):.4f}",
-                              "len": f"{m.get('response_length_mean', 0):.0f}", "s": f"{m['time/step']:.1f}",
-                              "mfu": f"{m.get('perf/mfu', 0):.1%}"})
         if m.get("skipped_consecutive", 0) >= c.optim.max_consecutive_skips:
           raise TrainingStopped(
               f"{int(m['skipped_consecutive'])} consecutive updates had non-finite gradients "
               f"(config.optim.max_consecutive_skips={c.optim.max_consecutive_skips}); the run stopped. The last "
               f"good checkpoint is in {self.ckpt.directory}. Lower optim.learning_rate or check the rewards.")
-        eval_metrics = None
-        if c.eval.every and (step + 1) % c.eval.every == 0 and step + 1 < c.train.steps:
-          eval_metrics = self.evaluate(f"step{step + 1}")
-          writer.write(step + 1, {f"eval/{k}": v for k, v in eval_metrics.items() if isinstance(v, float)})
-        # Only a step whose update went through is a "good" checkpoint.
-        if c.checkpoint.every and (step + 1) % c.checkpoint.every == 0 and m.get("skipped_consecutive", 0) == 0:
-          self.save(eval_metrics)
-      progress.close()
+        info = StepInfo(step=step + 1, metrics=m, last=step + 1 == c.train.steps)
+        for hook in self.hooks:
+          if hook.every and info.step % hook.every == 0:
+            hook.fn(self, info)
+      for hook in self.hooks:
+        hook.finish(self)
       if c.eval.before_and_after and self.eval_data is not None:
         summary["eval_after"] = self.evaluate("after")
         writer.write(c.train.steps, {f"eval/{k}": v for k, v in summary["eval_after"].items()
@@ -317,14 +351,11 @@ class Trainer:
       if c.output.export_hf and jax.process_index() == 0:
         summary["hf_dir"] = self.export()
     finally:
-      self.rollouts.close()
+      self.close()
       writer.close()
       self.ckpt.wait()
-      self.pool.close()
-      if self.tool_runner is not None:
-        self.tool_runner.close()
     if self.config.rollout.mode != "fused":
-      summary["rollout"] = dict(self.rollouts.counts)
+      summary["rollout"] = dict(self.runner.counts)
     summary["metrics_file"] = writer.path
     if c.output.tensorboard:
       summary["tensorboard_dir"] = os.path.join(self.out_dir, "tb")
@@ -336,17 +367,20 @@ class Trainer:
     from rljax.trainer.evaluate import evaluate_policy
     c = self.config
     return evaluate_policy(
-        self.policy.config, self.state.params, self.tokenizer, self.eval_data, self.pool,
+        self.model_config, self.state.params, self.tokenizer, self.eval_data, self.scorer.pool,
         num_examples=c.eval.num_examples, samples=c.eval.samples,
         sampling=sampling_params(c, self.tokenizer, num_samples=c.eval.samples, temperature=c.eval.temperature,
                                  max_new_tokens=c.eval.max_new_tokens or None),
         tool_rollout=self.tool_rollout if c.tools.enabled else None, prompt_tools=self.prompt_tools,
         max_prompt_tokens=c.data.max_prompt_tokens, batch_prompts=max(c.train.prompts_per_step, 8),
-        out_path=os.path.join(self.out_dir, f"eval_{tag}.jsonl"), seed=c.train.seed)
+        out_path=os.path.join(self.out_dir, f"eval_{tag}.jsonl"), seed=c.train.seed,
+        label={"before": "eval before training", "after": "eval after training"}.get(
+            tag, "eval at " + tag.replace("step", "step ")),
+        progress=c.output.progress and jax.process_index() == 0)
 
   def save(self, eval_metrics=None, force=False):
     extras = {"data": self.data_state, "config": json.loads(config_lib.to_json(self.config)),
-              "metrics": self.history, "model_config": self.policy.config.to_hf(),
+              "metrics": self.history, "model_config": self.model_config.to_hf(),
               "tokenizer": self.config.tokenizer or self.config.model.path}
     metrics = None
     if eval_metrics:
@@ -355,9 +389,11 @@ class Trainer:
 
   def export(self) -> str:
     from rljax.models.io import save_pretrained
+    from rljax.models.policy import Policy
     out = os.path.join(self.out_dir, "hf")
     params = jax.device_get(self.state.params)
-    save_pretrained(self.policy.with_params(params), out, dtype=self.config.output.export_dtype)
+    save_pretrained(Policy(self.model_config, params, tokenizer=self.tokenizer), out,
+                    dtype=self.config.output.export_dtype)
     return out
 
 
@@ -369,10 +405,4 @@ def _state_shardings(state: TrainState, mesh, param_sh):
   opt_sh = jax.tree.map(lambda n: param_sh if is_param_tree(n) else replicated, state.opt_state,
                         is_leaf=is_param_tree)
   return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                    skipped_total=replicated, skipped_consecutive=replicated,
                     ref_params=None if state.ref_params is None else param_sh)
-
-
-def _progress(total: int, start: int, enabled: bool):
-  from tqdm.auto import tqdm
-  return tqdm(total=total, initial=start, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)

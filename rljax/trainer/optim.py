@@ -1,6 +1,7 @@
 """The optax chain: clip by global norm, AdamW, warmup + constant / cosine / linear decay."""
 from __future__ import annotations
 
+import jax
 import optax
 
 
@@ -28,4 +29,14 @@ def make_optimizer(optim_cfg, total_updates: int) -> tuple[optax.GradientTransfo
     parts.append(optax.clip_by_global_norm(float(optim_cfg.max_grad_norm)))
   parts.append(optax.adamw(schedule, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
                            weight_decay=optim_cfg.weight_decay))
-  return optax.chain(*parts), schedule
+  # Non-finite gradients skip the update (parameters and moments unchanged) and are counted; the
+  # loop stops the run after optim.max_consecutive_skips of them, so optax never applies one.
+  return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=_NEVER), schedule
+
+
+_NEVER = 2**31 - 1
+
+
+def skip_counts(opt_state) -> dict[str, jax.Array]:
+  """Updates skipped for non-finite gradients: {"total", "consecutive"} int32 scalars."""
+  return {"total": opt_state.total_notfinite, "consecutive": opt_state.notfinite_count}

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import config as config_lib
 from rljax import sharding as shd
-from rljax.multiturn import FEED_BUCKET, TurnParams, _new_state, reprefill, segment
-from rljax.trainer.rollouts import _split_key, by_rows
-from rljax.trainer.step import make_update_fn
+from rljax.multiturn import FEED_BUCKET, TurnParams, new_state, reprefill, segment
+from rljax.rollout import Rollout
+from rljax.trainer.rollouts import Batch, Decoupled, RunContext, split_key
+from rljax.trainer.state import TrainState
 
 
 @dataclasses.dataclass
@@ -53,30 +53,24 @@ class Group:
     return bool(self.done.all())
 
 
-class PartialRollouts:
-  """The trainer's runner for rollout.mode='partial' (see the module doc)."""
+class PartialRollouts(Decoupled):
+  """The runner of rollout.mode='partial' (see the module doc): its producer is the pool; scoring,
+  the staleness bound, the update and the scheduler metrics are the shared decoupled machinery."""
 
-  def __init__(self, trainer):
-    t = self.t = trainer
-    c = trainer.config
-    self.p = c.train.prompts_per_step
-    self.pool_size = self.p * c.rollout.oversample
-    self.g = trainer.sp.num_samples
-    self.t_new = trainer.sp.max_new_tokens
-    self.width = c.data.max_prompt_tokens        # prompt width of every trained batch: one compiled update
-    self.max_staleness = config_lib.max_staleness(c)
-    self.version = trainer.start_step
-    self.rng = np.asarray(jax.device_get(trainer.state.rng))
+  def __init__(self, ctx: RunContext, state: TrainState):
+    super().__init__(ctx, state)
+    self.p = ctx.spec.prompts
+    self.pool_size = self.p * ctx.rollout_cfg.oversample
+    self.g = ctx.spec.group
+    self.t_new = ctx.spec.sampling.max_new_tokens
+    self.width = ctx.max_prompt_tokens        # prompt width of every trained batch: one compiled update
     self.tp = TurnParams(segment_tokens=min(32, max(8, self.t_new // 8)))
-    self.stop_ids = tuple(trainer.sp.stop_token_ids)
-    self.pad = int(trainer.tokenizer.pad_id or 0)
+    self.stop_ids = tuple(ctx.spec.sampling.stop_token_ids)
+    self.pad = int(ctx.pad_id)
     self.pool: list[Group] = []
     self.waiting: list[Group] = []
-    self.sharding = shd.batch_sharding(trainer.mesh, 2, self.pool_size * self.g)
-    update = make_update_fn(trainer.spec, trainer.optimizer, trainer.schedule, advance_rng=True)
-    self.update = jax.jit(update, donate_argnums=(0,), out_shardings=(trainer.state_shardings, None))
-    self.counts = {"batches_trained": 0, "groups_trained": 0, "groups_carried": 0, "groups_dropped": 0,
-                   "tokens_carried": 0}
+    self.data_state: dict = {}
+    self.counts.update({"groups_trained": 0, "groups_carried": 0, "groups_dropped": 0, "tokens_carried": 0})
 
   # ---- the pool ----------------------------------------------------------------------------
 
@@ -87,18 +81,17 @@ class PartialRollouts:
                  entropy=np.zeros((g, t), np.float32), lengths=np.zeros(g, np.int32), done=np.zeros(g, bool),
                  stopped=np.zeros(g, bool))
 
-  def _fill(self) -> None:
+  def _fill(self, feed) -> None:
     while len(self.pool) < self.pool_size:
       if not self.waiting:
-        batch = self.t.next_prompts()
-        self.t.data_state = self.t.batcher.state()
+        batch, self.data_state = feed.next_host()
         self.waiting = [self._new_group(i, m, e) for i, m, e in zip(batch.prompt_ids, batch.prompt_mask,
                                                                      batch.examples)]
       self.pool.append(self.waiting.pop(0))
 
   def _round(self, params, key) -> int:
     """Generates on the pool until P groups are complete; returns the segments run."""
-    c, sp, tp, g = self.t.spec.model, self.t.sp, self.tp, self.g
+    c, sp, tp, g = self.ctx.spec.model, self.ctx.spec.sampling, self.tp, self.g
     b = self.pool_size * g
     rows = [(grp, r) for grp in self.pool for r in range(g)]
     hist = [np.concatenate([grp.prompt, grp.tokens[r, :grp.lengths[r]]]) for grp, r in rows]
@@ -109,21 +102,21 @@ class PartialRollouts:
     stack = lambda f: np.concatenate([f(grp) for grp in self.pool])
     lengths = stack(lambda x: x.lengths)
     filled = np.arange(self.t_new)[None, :] < lengths[:, None]
-    state = _new_state(c, sp, tp, b, None, None)
-    put = lambda x: jax.device_put(jnp.asarray(x), shd.batch_sharding(self.t.mesh, np.ndim(x), b))
-    state.update(tok=put(stack(lambda x: x.tokens)), lp=put(stack(lambda x: x.logprobs)),
-                 ent=put(stack(lambda x: x.entropy)), n=put(lengths), model=put(filled), ctx=put(filled),
-                 done=put(stack(lambda x: x.done)), stopped=put(stack(lambda x: x.stopped)))
+    put = lambda x: jax.device_put(jnp.asarray(x), shd.batch_sharding(self.ctx.mesh, np.ndim(x), b))
+    state = new_state(c, sp, tp, b).replace(
+        tokens=put(stack(lambda x: x.tokens)), logprobs=put(stack(lambda x: x.logprobs)),
+        entropy=put(stack(lambda x: x.entropy)), n=put(lengths), mask=put(filled),
+        done=put(stack(lambda x: x.done)), stopped=put(stack(lambda x: x.stopped)))
     state = reprefill(c, sp, tp, self.stop_ids, params, state, key, put(ids), put(mask), slots=self.t_new)
     segments = 0
     while True:
       state = segment(c, sp, tp, self.stop_ids, params, state, key)
       segments += 1
-      done = np.asarray(jax.device_get(state["done"])).reshape(self.pool_size, g)
+      done = np.asarray(jax.device_get(state.done)).reshape(self.pool_size, g)
       if done.all(1).sum() >= self.p or done.all():
         break
     tok, lp, ent, n, stopped, count = (np.asarray(x) for x in jax.device_get(
-        (state["tok"], state["lp"], state["ent"], state["n"], state["stopped"], state["count"])))
+        (state.tokens, state.logprobs, state.entropy, state.n, state.stopped, state.count)))
     self.decode_steps = int(count)
     for k, grp in enumerate(self.pool):
       sl = slice(k * g, (k + 1) * g)
@@ -146,8 +139,8 @@ class PartialRollouts:
     self.pool = keep
     return picked
 
-  def _rollout(self, groups: list[Group]) -> dict:
-    """The update's rollout dict for P groups: rows prompt-major, prompts left-padded to data.max_prompt_tokens."""
+  def _rollout(self, groups: list[Group]) -> Rollout:
+    """The Rollout of P groups: rows prompt-major, prompts left-padded to data.max_prompt_tokens."""
     g, w = self.g, self.width
     n_rows = len(groups) * g
     ids, mask = np.full((n_rows, w), self.pad, np.int32), np.zeros((n_rows, w), bool)
@@ -157,41 +150,37 @@ class PartialRollouts:
     cat = lambda f: np.concatenate([f(grp) for grp in groups])
     lengths = cat(lambda x: x.lengths)
     model = np.arange(self.t_new)[None, :] < lengths[:, None]
-    rollout = dict(prompt_ids=ids, prompt_mask=mask, tokens=cat(lambda x: x.tokens), mask=model,
-                   lp_samp=np.where(model, cat(lambda x: x.logprobs), 0.0).astype(np.float32),
-                   entropy_samp=np.where(model, cat(lambda x: x.entropy), 0.0).astype(np.float32),
-                   lengths=lengths.astype(np.int32),
-                   truncated=(lengths == self.t_new) & ~cat(lambda x: x.stopped))
-    return jax.device_put(rollout, by_rows(self.t.mesh, rollout))
+    rollout = Rollout.single_turn(
+        prompt_ids=ids, prompt_mask=mask, tokens=cat(lambda x: x.tokens), mask=model,
+        logprobs=np.where(model, cat(lambda x: x.logprobs), 0.0).astype(np.float32),
+        entropy=np.where(model, cat(lambda x: x.entropy), 0.0).astype(np.float32),
+        lengths=lengths.astype(np.int32), truncated=(lengths == self.t_new) & ~cat(lambda x: x.stopped),
+        group_size=g)
+    return jax.device_put(rollout, jax.tree.map(lambda x: shd.batch_sharding(self.ctx.mesh, x.ndim, x.shape[0]),
+                                                rollout))
 
   # ---- the step ----------------------------------------------------------------------------
 
-  def step(self) -> dict[str, float]:
-    t = self.t
+  def step(self, state: TrainState, feed) -> tuple[TrainState, "StepOutput"]:
     t0 = time.perf_counter()
-    self._fill()
-    self.rng, key = _split_key(self.rng)
-    segments = self._round(t.state.params, key)
+    self._fill(feed)
+    self.rng, key = split_key(self.rng)
+    segments = self._round(state.params, key)
     groups = self._take()
     t1 = time.perf_counter()
     rollout = self._rollout(groups)
-    examples = [grp.example for grp in groups]
-    rewards, comps, out = t.reward_fn.score(np.asarray(rollout["tokens"]), np.asarray(rollout["lengths"]), examples,
-                                            step=self.version)
+    # The batch is as old as its oldest group: that is the version the staleness bound checks.
+    item = Batch(index=self.next_index, version=min(grp.version for grp in groups),
+                 examples=[grp.example for grp in groups], data_state=self.data_state, prompt_len=self.width,
+                 rollout=rollout, tokens=np.asarray(rollout.tokens), lengths=np.asarray(rollout.lengths))
+    self.next_index += 1
+    self.counts["batches_generated"] += 1
+    self.score(item)
     t2 = time.perf_counter()
-    rows = rewards.shape[0]
-    t.state, metrics = self.update(t.state, rollout, jax.device_put(rewards, shd.batch_sharding(t.mesh, 1, rows)),
-                                   jax.device_put(comps, shd.batch_sharding(t.mesh, 2, rows)))
-    metrics = jax.device_get(metrics)
+    state, metrics, staleness = self.train(state, item, rollout)
     t3 = time.perf_counter()
-    staleness = max(self.version - grp.version for grp in groups)
-    self.version += 1
-    self.counts["batches_trained"] += 1
     self.counts["groups_trained"] += len(groups)
-    result = t.host_metrics(metrics, out.metrics, t3 - t0, {"sample": t1 - t0, "score": t2 - t1, "update": t3 - t2},
-                            prompt_len=self.width)
-    result.update({
-        "rollout/staleness": float(staleness),
+    item.extra = {
         "rollout/segments": float(segments),
         "rollout/decode_steps": float(self.decode_steps),     # tokens drawn per row this round, at most
         "rollout/groups_carried": float(sum(not grp.complete for grp in self.pool)),
@@ -199,10 +188,9 @@ class PartialRollouts:
         "rollout/rounds_mean": float(np.mean([grp.rounds for grp in groups])),
         "rollout/groups_dropped_total": float(self.counts["groups_dropped"]),
         "rollout/tokens_carried_total": float(self.counts["tokens_carried"]),
-    })
-    for s in range(self.max_staleness + 1):
-      result[f"rollout/staleness_{s}"] = float(staleness == s)
-    return result
+    }
+    phases = {"sample": t1 - t0, "score": t2 - t1, "update": t3 - t2}
+    return state, self.output(item, metrics, t3 - t0, phases, staleness, len(self.waiting))
 
   def close(self) -> None:
     pass

@@ -3,21 +3,26 @@
     fused      one compiled program per step: sample -> io_callback rewards -> update. Exact.
     pipelined  two compiled halves. While the host scores batch k and the device updates on it,
                the device already generates batch k+1 with the parameters before update k
-               (one step off-policy), or, with max_staleness=0, only after it (exact).
+               (one step off-policy), or, with max_staleness=0, only after it (exact). Multi-turn
+               tool runs use this mode: their generation alternates compiled decode segments with
+               host tool calls, so it cannot live inside one compiled step.
     async      the device mesh is split into a generator part and a learner part. A generator
                thread streams rollouts through a scorer thread into a bounded queue; the learner
                (the caller's thread) takes whole batches and publishes parameters to the
-               generators every sync_every updates by a device-to-device reshard. A batch is
-               generated with parameters at most max_staleness versions older than the update
-               that consumes it: the generator waits rather than overshoot.
+               generators every sync_every updates by a device-to-device reshard.
+    partial    (trainer/partial.py) a pool of groups decoded in segments; a step trains the first
+               groups to finish and carries the rest.
+
+A runner is `step(state, feed) -> (state, StepOutput)`: it takes the train state and the loop's
+prompt feed and returns the new state; the loop owns the state, the data position and the
+metrics. Every runner makes `Rollout`s with a producer, scores them on the host through the same
+retrying `Scorer`, and trains them with the one update of trainer/step.py.
 
 Off-policy batches (staleness > 0) are corrected, not ignored: lp_old is recomputed with the
 parameters before the update (decoupled PPO's proximal policy) and the sampler's log-probs,
 the behaviour policy, enter through the truncated IS weight min(exp(lp_old - lp_samp), tis_cap).
-
-Every mode shares `make_generate_fn` / `make_update_fn` (trainer/step.py), draws the k-th
-sampling key by the same split of `state.rng`, and deals batches in the same order, so at
-staleness 0 all three produce the same rollouts and updates.
+Every mode draws the k-th sampling key by the same split of `state.rng` and deals batches in the
+same order, so at staleness 0 they produce the same rollouts and updates.
 """
 from __future__ import annotations
 
@@ -26,14 +31,15 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from rljax import config as config_lib
 from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
+from rljax.rollout import Rollout
+from rljax.trainer.state import TrainState
 from rljax.trainer.step import jit_train_step, make_generate_fn, make_train_step, make_update_fn
 
 log = logging.getLogger("rljax")
@@ -47,23 +53,116 @@ class RolloutError(RljaxError):
 
 
 @dataclasses.dataclass
+class RunContext:
+  """What a runner may use: the static step, its meshes and shardings, and the scorer.
+
+  The loop builds it once; runners never see the Trainer. `tool_engine` is the multi-turn
+  producer (rljax/multiturn.py) when config.tools.enabled.
+  """
+  spec: Any                        # trainer/step.py StepSpec
+  optimizer: Any
+  schedule: Callable
+  mesh: jax.sharding.Mesh
+  state_shardings: Any
+  batch_rows: int                  # prompts sampled per step, all processes
+  scorer: "Scorer"
+  rollout_cfg: Any                 # config.rollout
+  steps: int                       # config.train.steps
+  max_staleness: int
+  start_step: int
+  generator_mesh: jax.sharding.Mesh | None = None
+  tool_engine: Any = None
+  pad_id: int = 0
+  max_prompt_tokens: int = 0
+
+
+@dataclasses.dataclass
+class StepOutput:
+  """What a runner reports for one step; the loop turns it into the logged metrics."""
+  metrics: dict                    # the update's device metrics, fetched to the host
+  reward_metrics: dict             # the reward pool's (reward/*, verifier/*, info/*)
+  seconds: float
+  phases: dict[str, float]         # time/<phase>
+  prompt_len: int
+  data_state: dict                 # the data position after the batch trained on (what a checkpoint saves)
+  extra: dict = dataclasses.field(default_factory=dict)   # scheduler / tool metrics (rollout/*, tools/*)
+
+
+@dataclasses.dataclass
+class Prompts:
+  """One prompt batch drawn from the feed: host examples and device arrays [P*O, Lp]."""
+  examples: list
+  ids: jax.Array
+  mask: jax.Array
+  data_state: dict
+
+  @property
+  def width(self) -> int:
+    return self.ids.shape[1]
+
+
+class Scorer:
+  """The reward pool and its io_callback bridge, owned in one place.
+
+  `score` rescores a batch on a fresh pool when the pool itself fails (up to SCORE_ATTEMPTS),
+  so one broken pool does not lose the batch; `restart` replaces the pool for every user.
+  """
+
+  def __init__(self, reward_spec, make_pool, make_reward_fn):
+    self.spec = reward_spec
+    self._make_pool = make_pool
+    self.pool = make_pool()
+    self.reward_fn = make_reward_fn(self.pool)
+    self._make_reward_fn = make_reward_fn
+
+  def restart(self) -> None:
+    try:
+      self.pool.close()
+    except Exception:  # noqa: BLE001 - it has already failed
+      pass
+    self.pool = self._make_pool()
+    self.reward_fn.pool = self.pool
+
+  def score(self, tokens: np.ndarray, lengths: np.ndarray, examples: list, index: int):
+    """(rewards [N], components [N, K], metrics) for host arrays; retries on a fresh pool."""
+    for attempt in range(1, SCORE_ATTEMPTS + 1):
+      try:
+        rewards, components, out = self.reward_fn.score(tokens, lengths, examples, step=index)
+        break
+      except Exception as e:  # noqa: BLE001 - the pool itself failed; rescore rather than lose the batch
+        if attempt == SCORE_ATTEMPTS:
+          raise RolloutError(f"scoring batch {index} failed {attempt} times, last: {e!r}; the run stops "
+                             f"and keeps its last good checkpoint.") from e
+        log.warning("reward pool failed on batch %d (%r); restarting it and rescoring (attempt %d of %d)",
+                    index, e, attempt + 1, SCORE_ATTEMPTS)
+        self.restart()
+    metrics = dict(out.metrics)
+    metrics["rollout/score_attempts"] = float(attempt)
+    return rewards, components, metrics
+
+  def close(self) -> None:
+    self.pool.close()
+
+
+@dataclasses.dataclass
 class Batch:
   """One generated batch on its way to the learner (host-side bookkeeping plus device arrays)."""
   index: int                 # the rollout step it is for (0-based, counts from the start of the run)
   version: int               # parameter version (updates applied) that generated it
   examples: list
-  data_state: dict           # batcher.state() just after this batch was drawn (for checkpoints)
+  data_state: dict           # the data position just after this batch was drawn
   prompt_len: int
-  rollout: dict              # device arrays (trainer/step.py make_generate_fn)
+  rollout: Rollout           # device arrays
   tokens: np.ndarray | None = None
   lengths: np.ndarray | None = None
   rewards: np.ndarray | None = None
   components: np.ndarray | None = None
   reward_metrics: dict | None = None
   score_s: float = 0.0
+  extra: dict = dataclasses.field(default_factory=dict)
 
 
-def _split_key(rng):
+def split_key(rng):
   """The split `TrainState.next_rng` makes: (new raw key data, the key for this rollout)."""
   key, sub = jax.random.split(jax.random.wrap_key_data(rng))
   return jax.random.key_data(key), sub
@@ -74,15 +173,15 @@ def by_rows(mesh, tree):
   return jax.tree.map(lambda x: shd.batch_sharding(mesh, x.ndim, x.shape[0]), tree)
 
 
-def make_rollouts(trainer):
-  """The runner of config.rollout.mode for `trainer` (see the module doc)."""
-  if trainer.config.tools.enabled:
-    return ToolRollouts(trainer)
-  mode = trainer.config.rollout.mode
+def make_runner(ctx: RunContext, state: TrainState):
+  """The runner of config.rollout.mode (see the module doc)."""
+  mode = ctx.rollout_cfg.mode
   if mode == "partial":
     from rljax.trainer.partial import PartialRollouts
-    return PartialRollouts(trainer)
-  return {"fused": FusedRollouts, "pipelined": PipelinedRollouts, "async": AsyncRollouts}[mode](trainer)
+    return PartialRollouts(ctx, state)
+  if ctx.tool_engine is not None:
+    return PipelinedRollouts(ctx, state, producer=ToolProducer(ctx))
+  return {"fused": FusedRollouts, "pipelined": PipelinedRollouts, "async": AsyncRollouts}[mode](ctx, state)
 
 
 def split_devices(config) -> tuple[list, list]:
@@ -103,116 +202,129 @@ def split_devices(config) -> tuple[list, list]:
 class FusedRollouts:
   """One jitted program per step; rewards through io_callback (trainer/step.py)."""
 
-  def __init__(self, trainer):
-    self.t = trainer
-    step_fn = make_train_step(trainer.spec, trainer.optimizer, trainer.reward_fn, trainer.schedule)
-    self.train_step = jit_train_step(step_fn, trainer.state_shardings, trainer.batch_sharding)
+  def __init__(self, ctx: RunContext, state: TrainState):
+    self.ctx = ctx
+    self.index = ctx.start_step
+    self.batch_sharding = shd.batch_sharding(ctx.mesh, 2, ctx.batch_rows)
+    step_fn = make_train_step(ctx.spec, ctx.optimizer, ctx.scorer.reward_fn, ctx.schedule, mesh=ctx.mesh)
+    self.train_step = jit_train_step(step_fn, ctx.state_shardings, self.batch_sharding)
 
-  def step(self) -> dict[str, float]:
-    t = self.t
-    step = int(t.state.step)
+  def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
+    scorer = self.ctx.scorer
     t0 = time.perf_counter()
-    batch, ids, mask = t.next_batch()
-    t.data_state = t.batcher.state()
+    prompts = feed.next(self.batch_sharding)
     # The callback scores the whole gathered batch, so it needs every process's examples.
-    examples = [e for part in shd.allgather_objects(batch.examples) for e in part]
-    t.reward_fn.set_batch(examples, step=step)
-    t.state, metrics = self.train_step(t.state, ids, mask)
+    examples = [e for part in shd.allgather_objects(prompts.examples) for e in part]
+    scorer.reward_fn.set_batch(examples, step=self.index)
+    state, metrics = self.train_step(state, prompts.ids, prompts.mask)
     metrics = jax.device_get(metrics)
     t1 = time.perf_counter()
-    timing = t.reward_fn.last_timing()
+    self.index += 1
+    timing = scorer.reward_fn.last_timing()
     phases = {}
     if timing:
       phases = {"sample": max(timing["start"] - t0, 0.0), "score": timing["end"] - timing["start"],
                 "update": max(t1 - timing["end"], 0.0)}
-    return t.host_metrics(metrics, t.reward_fn.last_metrics(), t1 - t0, phases, prompt_len=ids.shape[1])
+    return state, StepOutput(metrics, scorer.reward_fn.last_metrics(), t1 - t0, phases, prompts.width,
+                             prompts.data_state)
 
   def close(self) -> None:
     pass
 
 
-class _Decoupled:
-  """What the pipelined and async modes share: the two jitted halves and host-side scoring."""
+class CompiledProducer:
+  """The single-turn sampler as a producer: one jitted program, rows sharded on `mesh`."""
 
-  def __init__(self, trainer, generator_mesh=None, generate=None):
-    self.t = trainer
-    c = trainer.config
-    self.max_staleness = config_lib.max_staleness(c)
-    self.steps = c.train.steps
-    self.version = trainer.start_step      # parameter version of trainer.state (updates applied)
-    self.next_index = trainer.start_step   # the next batch to generate
-    # Raw key data on the host: the generator advances its own copy of the key chain.
-    self.rng = np.asarray(jax.device_get(trainer.state.rng))
-    self.learner_mesh = trainer.mesh
-    self.generator_mesh = generator_mesh or trainer.mesh
-    self.gen_batch_sharding = shd.batch_sharding(self.generator_mesh, 2, trainer.batch_rows)
+  def __init__(self, ctx: RunContext, mesh):
+    generate = make_generate_fn(ctx.spec, mesh)
     # Every rollout array is sharded by rows; unconstrained, XLA may leave them (and the work
-    # producing them) on one device. `generate` replaces the compiled sampler (multi-turn rollouts).
-    self.generate = generate
-    if generate is None:
-      generate = make_generate_fn(trainer.spec)
-      prompts = lambda dtype: jax.ShapeDtypeStruct((trainer.batch_rows, 1), dtype)   # any width: same ranks
-      shapes = jax.eval_shape(generate, trainer.state.params, jax.random.key(0), prompts(np.int32), prompts(bool))
-      self.generate = jax.jit(generate, out_shardings=by_rows(self.generator_mesh, shapes))
-    update = make_update_fn(trainer.spec, trainer.optimizer, trainer.schedule, advance_rng=True)
-    self.update = jax.jit(update, donate_argnums=(0,), out_shardings=(trainer.state_shardings, None))
+    # producing them) on one device.
+    self._generate = jax.jit(generate, out_shardings=_rollout_shardings(ctx, mesh, generate))
+
+  def __call__(self, params, key, prompt_ids, prompt_mask) -> Rollout:
+    return self._generate(params, key, prompt_ids, prompt_mask)
+
+  def annotate(self, examples: list, rollout: Rollout) -> tuple[list, dict]:
+    """The examples to score each row against, and per-batch metrics (none here)."""
+    return examples, {}
+
+
+def _rollout_shardings(ctx: RunContext, mesh, generate):
+  prompts = lambda dtype: jax.ShapeDtypeStruct((ctx.batch_rows, 1), dtype)   # any width: same ranks
+  shapes = jax.eval_shape(generate, _param_shapes(ctx), jax.random.key(0), prompts(np.int32), prompts(bool))
+  return by_rows(mesh, shapes)
+
+
+def _param_shapes(ctx: RunContext):
+  from rljax.models.policy import init_params
+  return jax.eval_shape(lambda: init_params(ctx.spec.model, jax.random.key(0)))
+
+
+class ToolProducer:
+  """Multi-turn tool use (rljax/multiturn.py, docs/tools.md) as a producer of Rollouts.
+
+  Generation alternates compiled decode segments with host tool calls; the update's log-probs
+  attend to model and tool tokens (`context_mask`) and train on the model's tokens (`mask`).
+  """
+
+  def __init__(self, ctx: RunContext):
+    self.ctx = ctx
+    self.engine = ctx.tool_engine
+    self.last = None
+
+  def __call__(self, params, key, prompt_ids, prompt_mask) -> Rollout:
+    traj = self.last = self.engine.run(params, prompt_ids, prompt_mask, key)
+    return jax.device_put(traj.rollout, by_rows(self.ctx.mesh, traj.rollout))
+
+  def annotate(self, examples: list, rollout: Rollout) -> tuple[list, dict]:
+    """Each trajectory's example gains its `tool_calls` and `tool_errors` (for per-trajectory
+    reward components such as the `tool_use` verifier)."""
+    traj, g = self.last, self.ctx.spec.group
+    per_row = [dict(examples[r // g], tool_calls=int(traj.turns[r]), tool_errors=int(traj.tool_errors[r]))
+               for r in range(len(traj.turns))]
+    return per_row, dict(traj.metrics)
+
+
+class Decoupled:
+  """What the pipelined, async and partial modes share: one jitted update, retrying host
+  scoring, the staleness bound and the scheduler metrics."""
+
+  def __init__(self, ctx: RunContext, state: TrainState, generator_mesh=None):
+    self.ctx = ctx
+    self.max_staleness = ctx.max_staleness
+    self.steps = ctx.steps
+    self.version = ctx.start_step      # parameter version of the learner's state (updates applied)
+    self.next_index = ctx.start_step   # the next batch to generate
+    # Raw key data on the host: the generator advances its own copy of the key chain.
+    self.rng = np.asarray(jax.device_get(state.rng))
+    self.learner_mesh = ctx.mesh
+    self.generator_mesh = generator_mesh or ctx.mesh
+    update = make_update_fn(ctx.spec, ctx.optimizer, ctx.schedule, mesh=ctx.mesh, advance_rng=True)
+    self.update = jax.jit(update, donate_argnums=(0,), out_shardings=(ctx.state_shardings, None))
     self.idle = {"generator": 0.0, "scorer": 0.0, "learner": 0.0}
     self.counts = {"batches_generated": 0, "batches_trained": 0}
 
-  def draw(self, params, version: int) -> Batch:
-    """Draws the next data batch and dispatches its generation (returns before it finishes)."""
-    t = self.t
-    batch, ids, mask = t.next_batch(self.gen_batch_sharding)
-    self.rng, key = _split_key(self.rng)
-    rollout = self.generate(params, key, ids, mask)
-    item = Batch(index=self.next_index, version=version, examples=list(batch.examples),
-                 data_state=t.batcher.state(), prompt_len=ids.shape[1], rollout=rollout)
-    self.next_index += 1
-    self.counts["batches_generated"] += 1
-    return item
-
-  @staticmethod
-  def finish_generation(item: Batch) -> Batch:
-    """Waits for the batch's tokens and brings them to the host (the scorer needs text)."""
-    item.tokens, item.lengths = (np.asarray(x) for x in jax.device_get(
-        (item.rollout["tokens"], item.rollout["lengths"])))
-    return item
-
   def score(self, item: Batch) -> Batch:
-    """Scores on the host; a pool that fails outright is restarted and the batch rescored."""
-    t = self.t
+    """Scores on the host (the scorer rescoring on a fresh pool if the pool fails)."""
     start = time.perf_counter()
-    for attempt in range(1, SCORE_ATTEMPTS + 1):
-      try:
-        item.rewards, item.components, out = t.reward_fn.score(
-            item.tokens, item.lengths, item.examples, step=item.index)
-        break
-      except Exception as e:  # noqa: BLE001 - the pool itself failed; rescore rather than lose the batch
-        if attempt == SCORE_ATTEMPTS:
-          raise RolloutError(f"scoring batch {item.index} failed {attempt} times, last: {e!r}; the run stops "
-                             f"and keeps its last good checkpoint.") from e
-        log.warning("reward pool failed on batch %d (%r); restarting it and rescoring (attempt %d of %d)",
-                    item.index, e, attempt + 1, SCORE_ATTEMPTS)
-        t.restart_reward_pool()
-    item.reward_metrics = dict(out.metrics)
-    item.reward_metrics["rollout/score_attempts"] = float(attempt)
+    item.rewards, item.components, item.reward_metrics = self.ctx.scorer.score(
+        item.tokens, item.lengths, item.examples, item.index)
     item.score_s = time.perf_counter() - start
     return item
 
-  def train(self, item: Batch, rollout: dict) -> tuple[dict, int]:
-    """The update on one scored batch; returns (device metrics, its staleness)."""
-    t = self.t
+  def train(self, state: TrainState, item: Batch, rollout: Rollout) -> tuple[TrainState, dict, int]:
+    """The update on one scored batch; returns (state, device metrics, its staleness)."""
     staleness = self.version - item.version
     if not 0 <= staleness <= self.max_staleness:
       raise RolloutError(f"batch {item.index} is {staleness} versions old, outside max_staleness="
                          f"{self.max_staleness} (a bug in the scheduler).")
-    rewards = jax.device_put(item.rewards, shd.batch_sharding(self.learner_mesh, 1, item.rewards.shape[0]))
-    comps = jax.device_put(item.components, shd.batch_sharding(self.learner_mesh, 2, item.rewards.shape[0]))
-    t.state, metrics = self.update(t.state, rollout, rewards, comps)
+    n = item.rewards.shape[0]
+    rollout = rollout.with_rewards(jax.device_put(item.rewards, shd.batch_sharding(self.learner_mesh, 1, n)),
+                                   jax.device_put(item.components, shd.batch_sharding(self.learner_mesh, 2, n)))
+    state, metrics = self.update(state, rollout)
     self.version += 1
     self.counts["batches_trained"] += 1
-    t.data_state = item.data_state
-    return metrics, staleness
+    return state, jax.device_get(metrics), staleness
 
   def rollout_metrics(self, staleness: int, queue_depth: int) -> dict[str, float]:
     """Per-step scheduler metrics; idle times are seconds spent waiting since the previous step."""
@@ -225,66 +337,98 @@ class _Decoupled:
       out[f"rollout/staleness_{s}"] = float(staleness == s)
     return out
 
+  def output(self, item: Batch, metrics: dict, seconds: float, phases: dict, staleness: int,
+             queue_depth: int) -> StepOutput:
+    extra = dict(item.extra)
+    extra.update(self.rollout_metrics(staleness, queue_depth))
+    return StepOutput(metrics, item.reward_metrics, seconds, phases, item.prompt_len, item.data_state, extra)
 
-class PipelinedRollouts(_Decoupled):
+
+class _Streaming(Decoupled):
+  """Decoupled modes whose batches come straight from the feed through a producer."""
+
+  def __init__(self, ctx: RunContext, state: TrainState, producer=None, generator_mesh=None):
+    super().__init__(ctx, state, generator_mesh)
+    self.gen_batch_sharding = shd.batch_sharding(self.generator_mesh, 2, ctx.batch_rows)
+    self.producer = producer or CompiledProducer(ctx, self.generator_mesh)
+
+  def draw(self, feed, params, version: int) -> Batch:
+    """Draws the next prompts and dispatches their generation (returns before it finishes for
+    compiled producers)."""
+    prompts = feed.next(self.gen_batch_sharding)
+    self.rng, key = split_key(self.rng)
+    rollout = self.producer(params, key, prompts.ids, prompts.mask)
+    examples, extra = self.producer.annotate(list(prompts.examples), rollout)
+    item = Batch(index=self.next_index, version=version, examples=examples, data_state=prompts.data_state,
+                 prompt_len=prompts.width, rollout=rollout, extra=extra)
+    self.next_index += 1
+    self.counts["batches_generated"] += 1
+    return item
+
+  @staticmethod
+  def finish_generation(item: Batch) -> Batch:
+    """Waits for the batch's tokens and brings them to the host (the scorer needs text)."""
+    item.tokens, item.lengths = (np.asarray(x) for x in jax.device_get((item.rollout.tokens, item.rollout.lengths)))
+    return item
+
+
+class PipelinedRollouts(_Streaming):
   """Generation of batch k+1 overlaps scoring and updating batch k (one thread, async dispatch).
 
   JAX dispatch returns before the device finishes, so generating k+1 is queued on the device
   before the host starts scoring k; the update of k is queued behind it.
   """
 
-  def __init__(self, trainer, generate=None):
-    super().__init__(trainer, generate=generate)
+  def __init__(self, ctx: RunContext, state: TrainState, producer=None):
+    super().__init__(ctx, state, producer)
     self.pending: Batch | None = None
 
-  def step(self) -> dict[str, float]:
-    t = self.t
+  def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
     t0 = time.perf_counter()
-    item = self.pending or self.draw(t.state.params, self.version)
+    item = self.pending or self.draw(feed, state.params, self.version)
     self.pending = None
     self.finish_generation(item)
     t1 = time.perf_counter()
     if self.max_staleness >= 1 and self.next_index < self.steps:
-      self.pending = self.draw(t.state.params, self.version)   # before this update: one version behind
+      self.pending = self.draw(feed, state.params, self.version)   # before this update: one version behind
     self.score(item)
     t2 = time.perf_counter()
-    metrics, staleness = self.train(item, item.rollout)
-    metrics = jax.device_get(metrics)
+    state, metrics, staleness = self.train(state, item, item.rollout)
     t3 = time.perf_counter()
     self.idle["learner"] += t1 - t0
-    out = t.host_metrics(metrics, item.reward_metrics, t3 - t0,
-                         {"sample": t1 - t0, "score": t2 - t1, "update": t3 - t2}, prompt_len=item.prompt_len)
-    out.update(self.rollout_metrics(staleness, int(self.pending is not None)))
-    return out
+    phases = {"sample": t1 - t0, "score": t2 - t1, "update": t3 - t2}
+    return state, self.output(item, metrics, t3 - t0, phases, staleness, int(self.pending is not None))
 
   def close(self) -> None:
     self.pending = None
     self.counts["batches_dropped"] = self.counts["batches_generated"] - self.counts["batches_trained"]
 
 
-class AsyncRollouts(_Decoupled):
+class AsyncRollouts(_Streaming):
   """A generator thread and a scorer thread feed the learner through bounded queues (module doc)."""
 
-  def __init__(self, trainer):
-    super().__init__(trainer, generator_mesh=trainer.generator_mesh)
-    r = trainer.config.rollout
+  def __init__(self, ctx: RunContext, state: TrainState):
+    super().__init__(ctx, state, generator_mesh=ctx.generator_mesh)
+    r = ctx.rollout_cfg
     self.sync_every = r.sync_every
     from rljax.models.policy import param_shardings
-    self.gen_param_shardings = param_shardings(trainer.spec.model, self.generator_mesh)
+    self.gen_param_shardings = param_shardings(ctx.spec.model, self.generator_mesh)
     self.cond = threading.Condition()
-    self.published = (self.publish_params(), self.version)
+    self.published = (self.publish_params(state.params), self.version)
     self.to_score: queue.Queue = queue.Queue(maxsize=1)
     self.ready: queue.Queue = queue.Queue(maxsize=r.queue_size)
     self.stopping = threading.Event()
     self.error: tuple[str, BaseException] | None = None
     self.threads: list[threading.Thread] = []
+    self.feed = None
 
-  def publish_params(self):
+  def publish_params(self, params):
     """The learner's parameters resharded onto the generator devices (device to device)."""
-    params = jax.device_put(self.t.state.params, self.gen_param_shardings)
+    params = jax.device_put(params, self.gen_param_shardings)
     return jax.block_until_ready(params)   # the learner's next update donates the source buffers
 
-  def _start(self) -> None:
+  def _start(self, feed) -> None:
+    self.feed = feed
     for name, fn in (("generator", self._generate_loop), ("scorer", self._score_loop)):
       th = threading.Thread(target=self._guard, args=(name, fn), name=f"rljax-{name}", daemon=True)
       th.start()
@@ -331,7 +475,7 @@ class AsyncRollouts(_Decoupled):
       self.idle["generator"] += time.perf_counter() - start
       if self.stopping.is_set():
         return
-      item = self.finish_generation(self.draw(params, version))
+      item = self.finish_generation(self.draw(self.feed, params, version))
       if not self._put(self.to_score, item, "generator"):
         return
 
@@ -341,10 +485,9 @@ class AsyncRollouts(_Decoupled):
       if item is None or not self._put(self.ready, self.score(item), "scorer"):
         return
 
-  def step(self) -> dict[str, float]:
-    t = self.t
+  def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
     if not self.threads:
-      self._start()
+      self._start(feed)
     t0 = time.perf_counter()
     item = None
     while item is None:
@@ -364,18 +507,15 @@ class AsyncRollouts(_Decoupled):
     depth = self.ready.qsize()
     # Device to device: the rollout moves from the generator devices to the learner's.
     rollout = jax.device_put(item.rollout, by_rows(self.learner_mesh, item.rollout))
-    metrics, staleness = self.train(item, rollout)
-    metrics = jax.device_get(metrics)
+    state, metrics, staleness = self.train(state, item, rollout)
     if self.version % self.sync_every == 0:
-      params = self.publish_params()
+      params = self.publish_params(state.params)
       with self.cond:
         self.published = (params, self.version)
         self.cond.notify_all()
     t2 = time.perf_counter()
-    out = t.host_metrics(metrics, item.reward_metrics, t2 - t0,
-                         {"sample": t1 - t0, "score": item.score_s, "update": t2 - t1}, prompt_len=item.prompt_len)
-    out.update(self.rollout_metrics(staleness, depth))
-    return out
+    phases = {"sample": t1 - t0, "score": item.score_s, "update": t2 - t1}
+    return state, self.output(item, metrics, t2 - t0, phases, staleness, depth)
 
   def close(self) -> None:
     """Stops the threads; batches generated but never trained are counted in counts['batches_dropped']."""
@@ -385,40 +525,3 @@ class AsyncRollouts(_Decoupled):
     for th in self.threads:
       th.join(timeout=60)
     self.counts["batches_dropped"] = self.counts["batches_generated"] - self.counts["batches_trained"]
-
-
-class ToolRollouts(PipelinedRollouts):
-  """Multi-turn tool use (rljax/multiturn.py, docs/tools.md): on-policy, like the fused mode.
-
-  Generation alternates compiled decode segments with host tool calls, so it cannot live inside
-  one compiled step: each step runs the multi-turn rollout, scores the final trajectories on the
-  host, then runs the compiled update, whose log-probs attend to model and tool tokens
-  (`context_mask`) and train on the model's tokens only (`mask`).
-  """
-
-  def __init__(self, trainer):
-    # max_staleness is 0 (config: tools need rollout.mode='fused')
-    super().__init__(trainer, generate=self._generate)
-    self.engine = trainer.tool_rollout(trainer.sp)
-    self.tool_metrics: dict[str, float] = {}
-
-  def draw(self, params, version: int) -> Batch:
-    """Generates a batch; each trajectory's example gains its `tool_calls` and `tool_errors`
-    (for per-trajectory reward components such as the `tool_use` verifier)."""
-    item = super().draw(params, version)
-    traj, g = self.last_traj, self.t.sp.num_samples
-    item.examples = [dict(item.examples[r // g], tool_calls=int(traj.turns[r]), tool_errors=int(traj.tool_errors[r]))
-                     for r in range(len(traj.turns))]
-    return item
-
-  def _generate(self, params, key, prompt_ids, prompt_mask) -> dict:
-    traj = self.last_traj = self.engine.run(params, prompt_ids, prompt_mask, key)
-    self.tool_metrics = dict(traj.metrics)
-    fan = lambda x: jax.numpy.repeat(x, self.t.sp.num_samples, axis=0)
-    rollout = dict(traj.device, prompt_ids=fan(prompt_ids), prompt_mask=fan(prompt_mask))
-    return jax.device_put(rollout, by_rows(self.learner_mesh, rollout))
-
-  def step(self) -> dict[str, float]:
-    out = super().step()
-    out.update(self.tool_metrics)
-    return out

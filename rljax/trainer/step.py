@@ -1,25 +1,38 @@
-"""The fused generate-score-update step: one jitted program per rollout batch.
+"""The training step as one path: sample -> score -> advantages -> loss -> update.
 
-    prompts [P, Lp] --sample--> P*G completions --io_callback--> rewards [P*G]
-            --advantages--> [P, G] --(epochs x mini-batches x micro-batches)--> optax updates
+    prompts [P*O, Lp] --generate--> Rollout (P*O*G rows) --score--> Rollout with rewards
+          --select groups, advantages, lp_old--> TrainBatch --scan over epochs x mini-batches
+          (each a scan over micro-batches)--> optax updates
 
-Rows are prompt-major everywhere: row r belongs to prompt r // G, so splitting rows
-into contiguous chunks splits by whole groups.
+`make_generate_fn` builds the single-turn producer; other producers (multi-turn tools, the
+partial pool) make the same `Rollout`. `make_update_fn` is everything after scoring and is the
+only update there is: every rollout mode calls it. `make_train_step` fuses the sampler, the
+reward callback and the update into one program.
+
+Rows are prompt-major everywhere: row r belongs to prompt r // G. Mini-batches and micro-batches
+take whole groups, interleaved (group j goes to part j % n), so every part draws from every
+device's shard of the rows and no device sits idle while another computes its part.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
+from rljax import sharding as shd
 from rljax.models.config import ModelConfig
 from rljax.models.policy import apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
 from rljax.rl import LossConfig, chunked_logprobs, compute_advantages, kl_penalty, make_denominators, policy_loss
+from rljax.rl.losses import combine_metrics, metric_reduction, reduce_stacked
+from rljax.rollout import Rollout
 from rljax.sampling import SamplingParams, sample
+from rljax.trainer import packing
+from rljax.trainer.optim import skip_counts
 from rljax.trainer.state import TrainState
 
 
@@ -37,100 +50,134 @@ class StepSpec:
   oversample: int = 1               # > 1 enables dynamic sampling (prompts sampled = prompts * oversample)
   recompute_old_logprobs: bool = False
   logprob_chunk: int = 8192
+  gap_rows: int = 0                 # rows whose learner log-probs are compared with the sampler's (0: none)
+  pack_tokens: int = 0              # > 0: packed update, blocks of this many tokens (trainer/packing.py)
 
   @property
   def group(self) -> int:
     return self.sampling.num_samples
 
 
+@flax.struct.dataclass
+class TrainBatch:
+  """What the optimizer updates consume: a scored rollout's training view.
+
+  prompt_ids, prompt_mask: [N, Lp]; tokens, mask, context_mask: [N, T]; lp_old, lp_samp: [N, T]
+  f32; truncated: [N] bool; adv: [N] f32; lp_ref: [N, T] f32 or None (no reference model).
+  """
+  prompt_ids: jax.Array
+  prompt_mask: jax.Array
+  tokens: jax.Array
+  mask: jax.Array
+  context_mask: jax.Array
+  lp_old: jax.Array
+  lp_samp: jax.Array
+  truncated: jax.Array
+  adv: jax.Array
+  lp_ref: Any = None
+
+
 def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask):
   """Teacher-forced log-probs and entropies of the completion tokens.
 
   prompt_ids/prompt_mask: [B, Lp] (left-padded); tokens/mask: [B, T], mask the completion
-  tokens the model sees (for multi-turn rollouts: model and tool tokens, `context_mask`).
-  Returns (lp, ent): [B, T] float32 each, under logits / temperature, without
-  materialising [B, T, V] (chunked over the vocabulary).
+  tokens the model sees (a rollout's `context_mask`). Returns (lp, ent): [B, T] float32 each,
+  under logits / temperature, without materialising [B, T, V] (chunked over the vocabulary).
   """
   lp_len = prompt_ids.shape[1]
   seq = jnp.concatenate([prompt_ids, tokens], axis=1)
   seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
   hidden, _ = apply_model(spec.model, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True)
   hidden = jax.lax.dynamic_slice_in_dim(hidden, lp_len - 1, tokens.shape[1], axis=1)
-  temperature = spec.sampling.temperature if spec.sampling.temperature > 0 else 1.0
-  return chunked_logprobs(hidden, output_kernel(spec.model, params), tokens, temperature=temperature,
-                          chunk_size=spec.logprob_chunk)
+  return chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
+                          temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk)
 
 
-def _context(rollout: dict):
-  """The completion tokens the model sees: `context_mask` (multi-turn: model and tool tokens) or
-  `mask` (single turn: the trained tokens are all there is)."""
-  return rollout.get("context_mask", rollout["mask"])
+def split_groups(x: jax.Array, parts: int, group: int) -> jax.Array:
+  """[N, ...] prompt-major rows -> [parts, N / parts, ...]: whole groups, group j in part j % parts."""
+  n = x.shape[0]
+  groups = n // group
+  y = x.reshape((groups // parts, parts, group) + x.shape[1:])
+  y = jnp.swapaxes(y, 0, 1)
+  return y.reshape((parts, n // parts) + x.shape[1:])
 
 
-def _select_groups(spec: StepSpec, rollout: dict, rewards_pg: jax.Array):
+def _select_groups(spec: StepSpec, rollout: Rollout):
   """Dynamic sampling: keep P of the P*oversample groups, those with reward variance first.
 
-  Groups kept without signal (a shortfall) get zero loss weight. Returns the gathered
-  rollout, rewards [P, G] and metrics.
+  Groups kept without signal (a shortfall) get zero loss weight. Returns the selected rollout
+  and metrics.
   """
-  p_all, g = rewards_pg.shape
+  g = spec.group
+  rewards_pg = rollout.rewards.reshape(-1, g)
+  p_all = rewards_pg.shape[0]
   spread = rewards_pg.max(axis=1) - rewards_pg.min(axis=1)
   has_signal = spread > 1e-6
   order = jnp.argsort(~has_signal, stable=True)[:spec.prompts]
   keep_signal = has_signal[order]
   rows = (order[:, None] * g + jnp.arange(g)[None, :]).reshape(-1)
-  picked = jax.tree.map(lambda x: x[rows], rollout)
-  picked["mask"] = picked["mask"] & jnp.repeat(keep_signal, g)[:, None]
+  picked = rollout.rows(rows)
+  picked = picked.replace(mask=picked.mask & jnp.repeat(keep_signal, g)[:, None])
   metrics = {
       "dynamic/groups_sampled": jnp.asarray(p_all, jnp.float32),
       "dynamic/groups_with_signal": has_signal.sum().astype(jnp.float32),
       "dynamic/groups_dropped": (p_all - has_signal.sum()).astype(jnp.float32),
       "dynamic/shortfall": (spec.prompts - keep_signal.sum()).astype(jnp.float32),
   }
-  return picked, rewards_pg[order], metrics
+  return picked, metrics
 
 
-def make_generate_fn(spec: StepSpec):
-  """Builds `generate(params, key, prompt_ids [P*O, Lp], prompt_mask [P*O, Lp]) -> rollout`.
+def make_generate_fn(spec: StepSpec, mesh: jax.sharding.Mesh | None = None):
+  """The single-turn producer: `generate(params, key, prompt_ids [P*O, Lp], prompt_mask) -> Rollout`.
 
-  The rollout is a dict of device arrays, rows prompt-major (P*O*G of them): prompt_ids and
-  prompt_mask [N, Lp]; tokens [N, T] int32, mask [N, T] bool, lp_samp and entropy_samp [N, T]
-  f32 (the sampler's log-probs and entropies), lengths [N] int32 and truncated [N] bool.
+  Rows prompt-major, P*O*G of them; traced with `mesh` and the logical-axis rules in scope, so
+  every per-row array and the KV cache are split by rows over (data, fsdp).
   """
 
-  def generate(params, key, prompt_ids, prompt_mask):
-    out = sample(spec.model, params, prompt_ids, prompt_mask, spec.sampling, key, eos_ids=spec.eos_ids)
-    return dict(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, tokens=out.tokens, mask=out.mask,
-                lp_samp=out.logprobs, truncated=out.truncated, entropy_samp=out.entropy, lengths=out.lengths)
+  def generate(params, key, prompt_ids, prompt_mask) -> Rollout:
+    with shd.activate(mesh):
+      out = sample(spec.model, params, prompt_ids, prompt_mask, spec.sampling, key, eos_ids=spec.eos_ids,
+                   mesh=mesh)
+    return Rollout.single_turn(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, tokens=out.tokens,
+                               mask=out.mask, logprobs=out.logprobs, entropy=out.entropy, lengths=out.lengths,
+                               truncated=out.truncated, group_size=spec.group)
 
   return generate
 
 
 def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
-                   learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None, *, advance_rng: bool = False):
-  """Builds `update(state, rollout, rewards [N] f32, components [N, K] f32) -> (state, metrics)`.
+                   learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None, *,
+                   mesh: jax.sharding.Mesh | None = None, advance_rng: bool = False):
+  """Builds `update(state, rollout: Rollout with rewards) -> (state, metrics)`.
 
   Everything after scoring: dynamic-sampling selection, the reference log-probs, advantages,
-  lp_old, then epochs x mini-batches optimizer updates (micro-batched); `state.step` advances
-  by one. `advance_rng=True` also advances `state.rng` by the split the fused step makes, for
-  the decoupled modes that draw their sampling keys outside the step (trainer/rollouts.py).
+  lp_old, then epochs x mini-batches optimizer updates (a scan, each update a scan over
+  micro-batches: one copy of forward + backward in the program whatever their numbers);
+  `state.step` advances by one. `advance_rng=True` also advances `state.rng` by the split the
+  fused step makes, for the decoupled modes that draw their sampling keys outside the step.
+
+  Metrics: the loss metrics of one optimizer update combine over its micro-batches by their
+  reduction (`rljax.rl.losses.metric_reduction`: sum of globally normalised parts, max, min),
+  then over the step's updates (mean, max, min).
   """
   cfg = spec.loss
   g = spec.group
   updates_per_step = spec.epochs * spec.mini_batches
 
-  def loss_fn(params, mb, den):
-    lp, ent = sequence_logprobs(spec, params, mb["prompt_ids"], mb["prompt_mask"], mb["tokens"], _context(mb))
-    return policy_loss(lp, mb["lp_old"], mb["adv"], mb["mask"], den, cfg, lp_ref=mb.get("lp_ref"),
-                       lp_samp=mb["lp_samp"], entropy=ent, truncated=mb["truncated"])
+  def logprobs(params, b):
+    return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask)
+
+  def loss_fn(params, mb: TrainBatch, den):
+    lp, ent = logprobs(params, mb)
+    return policy_loss(lp, mb.lp_old, mb.adv, mb.mask, den, cfg, lp_ref=mb.lp_ref, lp_samp=mb.lp_samp, entropy=ent,
+                       truncated=mb.truncated)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def accumulate(params, batch):
-    """Loss, summed grads and mean metrics over micro-batches (split by whole groups)."""
-    den = make_denominators(batch["mask"], g, cfg, truncated=batch["truncated"])
-    n = spec.micro_batches
-    micro = jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+  def accumulate(params, batch: TrainBatch):
+    """Loss, summed grads and combined metrics over micro-batches (whole groups each)."""
+    den = make_denominators(batch.mask, g, cfg, truncated=batch.truncated)
+    micro = jax.tree.map(lambda x: split_groups(x, spec.micro_batches, g), batch)
 
     def body(carry, mb):
       loss_acc, grads_acc = carry
@@ -139,104 +186,178 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
-    return loss, grads, jax.tree.map(lambda m: m.mean(0), metrics)
+    return loss, grads, reduce_stacked(metrics, over="micro_batches")
 
-  def update(state: TrainState, rollout: dict, rewards, components):
-    if advance_rng:
-      state, _ = state.next_rng()
-    rollout = dict(rollout, rewards=rewards, components=components)
+  def accumulate_packed(params, batch: TrainBatch):
+    """`accumulate` over packed blocks of real tokens (trainer/packing.py): as many blocks as the
+    rows' real tokens fill, each R bins of W = Lp + T tokens. Same loss, grads and metrics."""
+    den = make_denominators(batch.mask, g, cfg, truncated=batch.truncated)
+    width = batch.prompt_ids.shape[1] + batch.tokens.shape[1]
+    bins = max(1, spec.pack_tokens // width)
+    layout = packing.pack(batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.context_mask, bins)
+    t = batch.tokens.shape[1]
+
+    def block_loss(params, k):
+      tok, seg, pos = (shd.constrain(x, ("batch", "length")) for x in packing.block_inputs(layout, k, bins))
+      hidden, _ = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True)
+      lp, ent = chunked_logprobs(hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
+                                 temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk)
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)))
+      lp, ent = (packing.gather_completion(pad(x), layout, k, bins, t) for x in (lp, ent))
+      mask = batch.mask & (layout.block == k)[:, None]
+      return policy_loss(lp, batch.lp_old, batch.adv, mask, den, cfg, lp_ref=batch.lp_ref, lp_samp=batch.lp_samp,
+                         entropy=ent, truncated=batch.truncated)
+
+    block_grad = jax.value_and_grad(block_loss, has_aux=True)
+    shapes = jax.eval_shape(block_loss, params, jnp.int32(0))[1]
+    init = {k: jnp.full(v.shape, {"sum": 0.0, "max": -jnp.inf, "min": jnp.inf}[metric_reduction(k)], v.dtype)
+            for k, v in shapes.items()}
+
+    def body(k, carry):
+      loss_acc, grads_acc, metrics_acc = carry
+      (loss, metrics), grads = block_grad(params, k)
+      return loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads), combine_metrics(metrics_acc, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    loss, grads, metrics = jax.lax.fori_loop(0, layout.num_blocks, body, (jnp.zeros((), jnp.float32), zeros, init))
+    # Lengths over every row of the update, not per block (a block's other rows are masked out).
+    lengths = batch.mask.sum(-1).astype(jnp.float32)
+    metrics.update(response_length_max=lengths.max(), response_length_min=lengths.min(),
+                   truncation_rate=batch.truncated.astype(jnp.float32).mean(),
+                   packed_blocks=layout.num_blocks.astype(jnp.float32),
+                   packed_tokens=(layout.num_blocks * bins * width).astype(jnp.float32),
+                   padded_tokens=jnp.asarray(lengths.shape[0] * width, jnp.float32))
+    return loss, grads, metrics
+
+  def optimizer_update(state: TrainState, mb: TrainBatch, index):
+    loss, grads, metrics = (accumulate_packed if spec.pack_tokens else accumulate)(state.params, mb)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    skipped = skip_counts(opt_state)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
+                   skipped=(skipped["total"] > skip_counts(state.opt_state)["total"]).astype(jnp.float32))
+    if learning_rate_fn is not None:
+      metrics["learning_rate"] = learning_rate_fn(state.step * updates_per_step + index)
+    return state.replace(params=params, opt_state=opt_state), metrics
+
+  def train_batch(state: TrainState, rollout: Rollout) -> tuple[TrainBatch, dict]:
+    """Reference log-probs, advantages and lp_old for the scored rollout."""
     metrics: dict[str, Any] = {}
-    rewards_pg = rewards.reshape(-1, g)
-    if spec.oversample > 1:
-      rollout, rewards_pg, dyn = _select_groups(spec, rollout, rewards_pg)
-      metrics.update(dyn)
-
+    lp_ref = None
+    rewards_pg = rollout.rewards.reshape(-1, g)
     if state.ref_params is not None:
-      lp_ref, _ = sequence_logprobs(spec, state.ref_params, rollout["prompt_ids"], rollout["prompt_mask"],
-                                    rollout["tokens"], _context(rollout))
-      rollout["lp_ref"] = jax.lax.stop_gradient(lp_ref)
+      lp_ref, _ = logprobs(state.ref_params, rollout_view(rollout))
+      lp_ref = jax.lax.stop_gradient(lp_ref)
       if cfg.kl_in_reward:
-        kl = (kl_penalty(rollout["lp_samp"], lp_ref, rollout["mask"], cfg.kl_estimator) * rollout["mask"]).sum(-1)
+        kl = (kl_penalty(rollout.logprobs, lp_ref, rollout.mask, cfg.kl_estimator) * rollout.mask).sum(-1)
         rewards_pg = rewards_pg - cfg.kl_coef * kl.reshape(rewards_pg.shape)
         metrics["kl/in_reward_mean"] = kl.mean()
-
     adv, adv_metrics = compute_advantages(rewards_pg, cfg)
-    metrics.update(adv_metrics)
-    rollout["adv"] = adv.reshape(-1)
+    metrics.update({_advantage_metric_name(k): v for k, v in adv_metrics.items()})
     if spec.recompute_old_logprobs:
       # The proximal policy of decoupled PPO: the parameters before this update. Against it the
       # sampler's log-probs (the behaviour policy) enter through the truncated IS weight (tis_cap).
-      lp_old, _ = sequence_logprobs(spec, state.params, rollout["prompt_ids"], rollout["prompt_mask"],
-                                    rollout["tokens"], _context(rollout))
-      rollout["lp_old"] = jax.lax.stop_gradient(lp_old)
+      lp_old, _ = logprobs(state.params, rollout_view(rollout))
+      lp_old = jax.lax.stop_gradient(lp_old)
     else:
-      # The sampler ran the same model code on the same parameters: its log-probs are lp_old.
-      rollout["lp_old"] = rollout["lp_samp"]
+      # The sampler ran the same model code on the same parameters: its log-probs are lp_old
+      # (exact in fp32; `sampler/logprob_gap_*` measures how far that holds in this dtype).
+      lp_old = rollout.logprobs
+      if spec.gap_rows:
+        metrics.update(_logprob_gap(logprobs, state.params, rollout, spec.gap_rows))
+    batch = TrainBatch(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, tokens=rollout.tokens,
+                       mask=rollout.mask, context_mask=rollout.context_mask, lp_old=lp_old, lp_samp=rollout.logprobs,
+                       truncated=rollout.truncated, adv=adv.reshape(-1), lp_ref=lp_ref)
+    return batch, metrics
 
-    train_keys = ("prompt_ids", "prompt_mask", "tokens", "mask", "lp_old", "lp_samp", "truncated", "adv") + tuple(
-        k for k in ("lp_ref", "context_mask") if k in rollout)
-    batch = {k: rollout[k] for k in train_keys}
-    rows = batch["tokens"].shape[0] // spec.mini_batches
-    update_metrics = []
-    for epoch in range(spec.epochs):
-      for m in range(spec.mini_batches):
-        mb = jax.tree.map(lambda x: x[m * rows:(m + 1) * rows], batch)
-        loss, grads, lm = accumulate(state.params, mb)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        state = state.replace(
-            params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
-            skipped_total=state.skipped_total + (~finite).astype(jnp.int32),
-            skipped_consecutive=jnp.where(finite, 0, state.skipped_consecutive + 1))
-        lm = dict(lm, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.float32))
-        if learning_rate_fn is not None:
-          lm["learning_rate"] = learning_rate_fn(state.step * updates_per_step + epoch * spec.mini_batches + m)
-        update_metrics.append(lm)
-    metrics.update(jax.tree.map(lambda *xs: jnp.stack(xs).mean(), *update_metrics))
-    metrics.update(_rollout_metrics(spec, rollout, rewards_pg))
-    metrics["skipped_consecutive"] = state.skipped_consecutive.astype(jnp.float32)
-    metrics["skipped_total"] = state.skipped_total.astype(jnp.float32)
+  def update(state: TrainState, rollout: Rollout):
+    with shd.activate(mesh):
+      if advance_rng:
+        state, _ = state.next_rng()
+      metrics = {"sampler/tokens": rollout.lengths.sum().astype(jnp.float32),
+                 "sampler/entropy": _masked_mean(rollout.entropy, rollout.mask)}
+      if spec.oversample > 1:
+        rollout, dyn = _select_groups(spec, rollout)
+        metrics.update(dyn)
+      batch, batch_metrics = train_batch(state, rollout)
+      metrics.update(batch_metrics)
+      minis = jax.tree.map(lambda x: split_groups(x, spec.mini_batches, g), batch)
+
+      def one_update(state, index):
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index % spec.mini_batches, keepdims=False),
+                          minis)
+        return optimizer_update(state, mb, index)
+
+      state, per_update = jax.lax.scan(one_update, state, jnp.arange(updates_per_step))
+      metrics.update(reduce_stacked(per_update, over="updates"))
+      skipped = skip_counts(state.opt_state)
+      metrics["skipped_consecutive"] = skipped["consecutive"].astype(jnp.float32)
+      metrics["skipped_total"] = skipped["total"].astype(jnp.float32)
     return state.replace(step=state.step + 1), metrics
 
   return update
 
 
+def rollout_view(rollout: Rollout):
+  """The fields `sequence_logprobs` reads, under the names TrainBatch uses."""
+  return _LogprobView(rollout.prompt_ids, rollout.prompt_mask, rollout.tokens, rollout.context_mask)
+
+
+@flax.struct.dataclass
+class _LogprobView:
+  prompt_ids: jax.Array
+  prompt_mask: jax.Array
+  tokens: jax.Array
+  context_mask: jax.Array
+
+
+def _advantage_metric_name(name: str) -> str:
+  """compute_advantages' reward_* figures are over the trained groups (after selection and KL
+  shaping): `trained_reward/*`, apart from the host's `reward/*` over every scored row."""
+  return "trained_reward/" + name[len("reward_"):] if name.startswith("reward_") else name
+
+
+def _masked_mean(x, mask):
+  mask = mask.astype(jnp.float32)
+  return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def _logprob_gap(logprobs, params, rollout: Rollout, rows: int) -> dict[str, jax.Array]:
+  """The sampler-vs-learner log-prob gap on the first `rows` rows (whole groups).
+
+  In fp32 it is ~1e-6 (shared model code); in bf16 the sampler's cached decode and the learner's
+  full forward round differently. Not structurally 0: the learner really recomputes these rows.
+  """
+  view = jax.tree.map(lambda x: x[:rows], rollout_view(rollout))
+  lp, _ = logprobs(params, view)
+  mask = rollout.mask[:rows]
+  diff = jnp.abs(jax.lax.stop_gradient(lp) - rollout.logprobs[:rows])
+  return {"sampler/logprob_gap_mean": _masked_mean(diff, mask),
+          "sampler/logprob_gap_max": jnp.max(jnp.where(mask, diff, 0.0)),
+          "sampler/logprob_gap_frac_1pct": _masked_mean(diff > jnp.log(1.01), mask)}
+
+
 def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
                     reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
-                    learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None):
+                    learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None, *,
+                    mesh: jax.sharding.Mesh | None = None):
   """Builds the fused `step(state, prompt_ids [P*O, Lp], prompt_mask [P*O, Lp]) -> (state, metrics)`.
 
-  `reward_fn(tokens [N, T], lengths [N]) -> (rewards [N] f32, components [N, K] f32)` is
-  the io_callback bridge of the reward pool. The returned function is not jitted;
-  the caller jits it with shardings and donation (see `jit_train_step`).
+  `reward_fn(tokens [N, T], lengths [N]) -> (rewards [N] f32, components [N, K] f32)` is the io_callback bridge of
+  the reward pool. The returned function is not jitted; the caller jits it with shardings and
+  donation (see `jit_train_step`).
   """
-  generate = make_generate_fn(spec)
-  update = make_update_fn(spec, optimizer, learning_rate_fn)
+  generate = make_generate_fn(spec, mesh)
+  update = make_update_fn(spec, optimizer, learning_rate_fn, mesh=mesh)
 
   def step(state: TrainState, prompt_ids, prompt_mask):
     state, key = state.next_rng()
     rollout = generate(state.params, key, prompt_ids, prompt_mask)
-    rewards, components = reward_fn(rollout["tokens"], rollout["lengths"])
-    return update(state, rollout, rewards, components)
+    with shd.activate(mesh):
+      rollout = rollout.with_rewards(*reward_fn(rollout.tokens, rollout.lengths))
+    return update(state, rollout)
 
   return step
-
-
-def _rollout_metrics(spec: StepSpec, rollout: dict, rewards_pg: jax.Array) -> dict[str, jax.Array]:
-  mask = rollout["mask"]
-  tokens = jnp.maximum(mask.sum(), 1)
-  comps = rollout["components"]
-  out = {
-      "reward/mean": rewards_pg.mean(),
-      "reward/std": rewards_pg.std(),
-      "response/tokens": rollout["lengths"].sum().astype(jnp.float32),
-      "sampler/entropy": (rollout["entropy_samp"] * mask).sum() / tokens,
-      "reward/components": comps.mean(axis=0),
-  }
-  return out
 
 
 def jit_train_step(step_fn, state_shardings=None, batch_sharding=None):

@@ -1,0 +1,86 @@
+"""The packed update (rljax/trainer/packing.py) computes what the padded update computes."""
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from rljax.models.config import ModelConfig
+from rljax.models.policy import init_params
+from rljax.rl import LossConfig
+from rljax.rollout import Rollout
+from rljax.sampling import SamplingParams
+from rljax.trainer import packing
+from rljax.trainer.optim import make_optimizer
+from rljax.trainer.state import TrainState
+from rljax.trainer.step import StepSpec, make_update_fn
+
+G, P, LP, T = 4, 4, 8, 16
+
+
+def _rollout(seed=0):
+  """Left-padded prompts of 2..8 tokens and completions of 1..16 tokens (some truncated)."""
+  rng = np.random.default_rng(seed)
+  n = P * G
+  plen = np.repeat(rng.integers(2, LP + 1, P), G)
+  clen = rng.integers(1, T + 1, n)
+  prompt_mask = np.arange(LP)[None, :] >= (LP - plen)[:, None]
+  mask = np.arange(T)[None, :] < clen[:, None]
+  tokens = np.where(mask, rng.integers(1, 60, (n, T)), 0).astype(np.int32)
+  prompt_ids = np.where(prompt_mask, np.repeat(rng.integers(1, 60, (P, LP)), G, axis=0), 0).astype(np.int32)
+  lp = np.where(mask, -rng.uniform(0.1, 3.0, (n, T)), 0.0).astype(np.float32)
+  return Rollout.single_turn(prompt_ids=jnp.asarray(prompt_ids), prompt_mask=jnp.asarray(prompt_mask),
+                             tokens=jnp.asarray(tokens), mask=jnp.asarray(mask), logprobs=jnp.asarray(lp),
+                             entropy=jnp.zeros((n, T), jnp.float32), lengths=jnp.asarray(clen, jnp.int32),
+                             truncated=jnp.asarray(clen == T), group_size=G).with_rewards(
+                                 rng.uniform(0, 1, n).astype(np.float32), np.zeros((n, 1), np.float32))
+
+
+def test_pack_places_whole_sequences_with_their_positions():
+  r = _rollout()
+  layout = packing.pack(r.prompt_ids, r.prompt_mask, r.tokens, r.context_mask, bins_per_block=2)
+  width = LP + T
+  seg = np.asarray(layout.segment_ids).reshape(-1)
+  tok = np.asarray(layout.tokens).reshape(-1)
+  pos = np.asarray(layout.positions).reshape(-1)
+  for i in range(P * G):
+    plen, clen = int(r.prompt_mask[i].sum()), int(r.lengths[i])
+    at = np.flatnonzero(seg == i + 1)
+    assert len(at) == plen + clen and np.all(np.diff(at) == 1)        # contiguous, whole
+    assert at[0] // width == at[-1] // width                          # never split across bins
+    want = np.concatenate([np.asarray(r.prompt_ids[i])[LP - plen:], np.asarray(r.tokens[i])[:clen]])
+    np.testing.assert_array_equal(tok[at], want)
+    np.testing.assert_array_equal(pos[at], np.arange(plen + clen))
+  used_bins = len(np.unique(np.flatnonzero(seg) // width))
+  assert used_bins < P * G                                            # real tokens need fewer bins than rows
+  assert int(layout.num_blocks) == -(-used_bins // 2)
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "gspo"])
+def test_packed_update_equals_padded(preset):
+  """Loss, metrics and the updated parameters: packed vs padded rows. float32: the same sums in
+  another order (blocks instead of rows), so relative 1e-5 on the figures. Parameters after one
+  Adam step: Adam's first update is lr * g / (|g| + eps); with eps = 1e-3 its derivative in g is at
+  most lr / eps = 1, so parameters differ by at most the gradients' reordering noise (~1e-9 here),
+  asserted 1e-6. (With eps = 1e-8 an element whose gradient is ~1e-8 turns that noise into an
+  update difference of up to lr: not a property of packing.)"""
+  mc = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, attention="xla")
+  sp = SamplingParams(num_samples=G, max_new_tokens=T, temperature=1.0)
+  kw = {"kl_coef": 0.0} if preset == "grpo" else {}
+  loss_cfg = LossConfig.from_preset(preset, entropy_coef=0.01, **kw)
+  optim = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, min_lr_ratio=0.0, schedule="constant",
+                                         max_grad_norm=None, b1=0.9, b2=0.999, eps=1e-3, weight_decay=0.0))
+  optimizer, _ = make_optimizer(optim, 10)
+  state = TrainState.create(init_params(mc, jax.random.key(1)), optimizer, 0)
+  rollout = _rollout(1)
+  outs = []
+  for pack_tokens in (0, 2 * (LP + T)):
+    spec = StepSpec(model=mc, sampling=sp, loss=loss_cfg, prompts=P, pack_tokens=pack_tokens)
+    outs.append(jax.jit(make_update_fn(spec, optimizer))(state, rollout))
+  (s0, m0), (s1, m1) = outs
+  assert m1["packed_tokens"] < m1["padded_tokens"]
+  for key, value in m0.items():
+    assert float(m1[key]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), key
+  for a, b in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
