@@ -103,6 +103,9 @@ def base_config() -> ml_collections.ConfigDict:
       kwargs={},                      # per-tool keyword arguments, e.g. {"search": {"corpus_path": "docs.jsonl"}}
   ), type_safe=False)
   c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1), distributed=False))
+  c.compile = ml_collections.ConfigDict(dict(
+      cache_dir="",                   # jax's persistent compilation cache: programs kept across runs ("" = off)
+  ))
   c.checkpoint = ml_collections.ConfigDict(dict(
       every=0, keep_last=2, keep_best=1, best_metric="eval/accuracy", async_save=True, resume=True))
   c.eval = ml_collections.ConfigDict(dict(

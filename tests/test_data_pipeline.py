@@ -42,11 +42,14 @@ def _ids(batches):
   return [[e["id"] for e in b.examples] for b in batches]
 
 
-def test_batch_is_left_padded_to_multiple_of_16():
-  cfg = {"sources": [{"kind": "arithmetic", "difficulty": 1}], "system_prompt": "Be brief."}
+@pytest.mark.parametrize("buckets, width", [("multiple", 48), ("pow2", 64)])
+def test_batch_is_left_padded_to_its_bucket(buckets, width):
+  """The longest prompt here has 33-48 tokens: a multiple of 16 gives 48, the default power-of-two
+  buckets (16 x 2^k: a handful of compiled programs per run) give 64."""
+  cfg = {"sources": [{"kind": "arithmetic", "difficulty": 1}], "system_prompt": "Be brief.", "pad_buckets": buckets}
   batch = next(PromptBatcher(build_dataset(cfg), FakeByteTokenizer(), 4))
   assert batch.prompt_ids.dtype == np.int32 and batch.prompt_mask.dtype == bool
-  assert batch.prompt_ids.shape == (4, 48) and len(batch.examples) == 4
+  assert batch.prompt_ids.shape == (4, width) and len(batch.examples) == 4
   tok = FakeByteTokenizer()
   for row, ex in enumerate(batch.examples):
     assert ex["prompt_text"] == f"<system>Be brief.<user>{ex['prompt']}<assistant>"

@@ -107,3 +107,98 @@ def test_set_batch_is_required(pool):
   reward_fn = make_reward_fn(pool, decode)
   with pytest.raises(RuntimeError, match="set_batch"):
     reward_fn.host_fn(np.zeros((2, 3), np.int32), np.zeros(2, np.int32))
+
+
+def _mesh(shape):
+  from rljax.sharding import make_mesh
+  return make_mesh(shape)
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (2, 1, 4)])
+def test_scored_per_shard_once_per_process(pool, shape):
+  """With a mesh the callback runs per device on its rows; replicas over the other mesh axes are
+  scored once, rewards come back sharded like the rows, equal to scoring the batch directly."""
+  from jax.sharding import NamedSharding
+  from rljax.rewards.callback import local_indices
+  mesh = _mesh(shape)
+  examples, _, tokens, lengths = _batch()
+  want = _expected(pool, tokens, lengths, examples, 2)
+  reward_fn = make_reward_fn(pool, decode, group_size=2, mesh=mesh)
+  rows = NamedSharding(mesh, P(("data", "fsdp"), None))
+  prompts = jax.device_put(np.zeros((8, 3), np.int32), rows)
+  idx = local_indices(prompts.sharding, prompts.shape)
+  assert idx.tolist() == list(range(8))                  # one process holds every prompt
+  reward_fn.set_batch([examples[i] for i in idx], step=3, indices=idx)
+  calls = []
+  score = pool.score
+
+  def counting(texts, *a, **k):
+    calls.append(len(texts))
+    return score(texts, *a, **k)
+
+  reward_fn.pool = type("Counting", (), {"score": staticmethod(counting)})()
+  step = jax.jit(lambda t, n: reward_fn(t, n))
+  r, c = step(jax.device_put(tokens, rows), jax.device_put(lengths, NamedSharding(mesh, P(("data", "fsdp")))))
+  jax.block_until_ready((r, c))                          # the step is dispatched asynchronously
+  assert calls == [16]                                   # one pool call, every row once
+  np.testing.assert_allclose(np.asarray(r), want.rewards)
+  np.testing.assert_allclose(np.asarray(c), want.components_matrix())
+  assert len(r.sharding.device_set) == 8 and not r.sharding.is_fully_replicated
+  assert reward_fn.last_rows().tolist() == list(range(16))
+  m = reward_fn.global_metrics()
+  assert m["verifier/items"] == 16 and m["verifier/scoring_processes"] == 1
+  assert m["reward/mean"] == pytest.approx(float(np.mean(want.rewards)))
+
+
+def test_examples_are_found_by_global_index(pool):
+  """A process holds only some prompts: set_batch(indices=) maps them; a held prompt without an
+  example is an error that says how to pass the indices."""
+  reward_fn = make_reward_fn(pool, decode, group_size=2)
+  examples, _, tokens, lengths = _batch()
+  reward_fn.set_batch(examples[4:], step=0, indices=range(4, 8))
+  rows = np.arange(8, 16)
+  r, _ = reward_fn.host_fn(tokens[8:], lengths[8:], rows, 16)
+  np.testing.assert_allclose(r, _expected(pool, tokens, lengths, examples, 2).rewards[8:])
+  with pytest.raises(RuntimeError, match="local_indices"):
+    reward_fn.host_fn(tokens[:2], lengths[:2], np.arange(2), 16)
+
+
+def test_large_callback_inputs_do_not_deadlock(pool):
+  """128 KiB of tokens per device then a collective: the callback's input copy must not wait on
+  the devices' thread pool (rewards/callback.py module doc); 8 devices, mesh (8, 1, 1)."""
+  mesh = _mesh((8, 1, 1))
+  width = 4096                                           # 8 rows x 4096 x 4 B = 128 KiB per device
+  examples, _, tokens, lengths = _batch(n_prompts=32, g=2, width=width)
+  reward_fn = make_reward_fn(pool, decode, group_size=2, mesh=mesh)
+  reward_fn.set_batch(examples, step=0)
+  rows = jax.sharding.NamedSharding(mesh, P("data", None))
+
+  @jax.jit
+  def step(t, n):
+    r, _ = reward_fn(t, n)
+    return r.sum() + t.sum()                              # collectives after the callback
+
+  out = step(jax.device_put(tokens, rows), jax.device_put(lengths, jax.sharding.NamedSharding(mesh, P("data"))))
+  want = _expected(pool, tokens, lengths, examples, 2).rewards.sum() + tokens.sum()
+  assert float(out) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_process_metrics_combine_exactly():
+  """global metrics from per-process summaries: exact mean/std/min/max, counts summed, means weighted."""
+  from rljax.rewards.callback import combine_process_metrics
+  rng = np.random.default_rng(0)
+  r = rng.normal(size=24).astype(np.float32)
+  split = [r[:10], r[10:]]
+  parts = [{"n": len(x), "rewards": x.astype(np.float64).tolist(),
+            "metrics": {"reward/accuracy": float((x > 0).mean()), "verifier/timeouts": 1.0, "verifier/seconds": s}}
+           for x, s in zip(split, (0.5, 2.0))]
+  m = combine_process_metrics(parts)
+  whole = combine_process_metrics([{"n": 24, "rewards": r.astype(np.float64).tolist(), "metrics": {}}])
+  for key in ("reward/mean", "reward/std", "reward/min", "reward/max"):
+    assert m[key] == whole[key]
+  assert m["reward/mean"] == pytest.approx(float(r.astype(np.float64).mean()), rel=1e-15)
+  assert m["reward/std"] == pytest.approx(float(r.astype(np.float64).std()), rel=1e-12)
+  assert m["reward/accuracy"] == pytest.approx(float((r > 0).mean()))
+  assert m["verifier/timeouts"] == 2.0 and m["verifier/seconds"] == 2.0
+  assert m["verifier/items"] == 24 and m["verifier/scoring_processes"] == 2
+  assert combine_process_metrics([{"n": 0, "rewards": [], "metrics": {}}]) == {}

@@ -5,10 +5,11 @@ plus the running counters, so `state()` is a small JSON-able dict and
 `restore(state)` resumes with exactly the batches an uninterrupted run would
 have produced next.
 
-Padding: a batch is padded on the left with `tokenizer.pad_id` to the longest
-prompt rounded up to a multiple of `pad_multiple` (default 16), capped at
-`max_prompt_tokens`; with `pad_to_max_prompt_tokens` every batch has width
-`max_prompt_tokens`. Either way the jitted step sees few distinct shapes.
+Padding: a batch is padded on the left with `tokenizer.pad_id` to the smallest
+width bucket that holds its longest prompt: `pad_multiple` (default 16) times a
+power of two, capped at `max_prompt_tokens` (`bucket_width`); with
+`pad_to_max_prompt_tokens` every batch has width `max_prompt_tokens`. Either
+way the jitted step sees few distinct shapes: each width compiles it once.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 from rljax.data.formats import Example
 from rljax.data.pipeline import Malformed, PromptDataset
 from rljax.errors import ConfigError, DataError
+from rljax.padding import left_pad
 
 STATE_VERSION = 1
 # Give up after this many consecutive unusable rows: an endless stream of
@@ -103,6 +105,28 @@ def with_tool_instructions(messages: list[dict], tools: list[dict]) -> list[dict
   return [{"role": "system", "content": block}] + list(messages)
 
 
+PAD_BUCKETS = ("pow2", "multiple")
+
+
+def bucket_width(longest: int, pad_multiple: int = 16, max_prompt_tokens: int | None = None,
+                 buckets: str = "pow2") -> int:
+  """The padded width of a batch whose longest prompt has `longest` tokens.
+
+  buckets="pow2": the smallest of pad_multiple * (1, 2, 4, 8, ...) that holds it, so a run sees
+  about log2(max_prompt_tokens / pad_multiple) + 1 widths and compiles its step that many times
+  (16, 32, 64, ..., 1024, 2048 for 2048 tokens: 8 programs instead of 128);
+  "multiple": rounded up to a multiple of pad_multiple (one program per multiple). Either way
+  capped at max_prompt_tokens, which is itself the last width.
+  """
+  if buckets not in PAD_BUCKETS:
+    raise ConfigError(f"data.pad_buckets={buckets!r} is not one of {PAD_BUCKETS}.")
+  units = -(-max(int(longest), 1) // pad_multiple)
+  if buckets == "pow2":
+    units = 1 << (units - 1).bit_length()
+  width = units * pad_multiple
+  return width if max_prompt_tokens is None else min(width, max_prompt_tokens)
+
+
 class PromptBatcher:
   """Iterates over `PromptBatch`es of a `PromptDataset`.
 
@@ -114,8 +138,8 @@ class PromptBatcher:
     prompts_per_batch: P, the number of prompts per batch.
     max_prompt_tokens: longer prompts are skipped and counted; defaults to the
       data config's `max_prompt_tokens` (None: no limit).
-    pad_multiple, pad_to_max_prompt_tokens: padding policy (module docstring);
-      default to the data config's values.
+    pad_multiple, pad_to_max_prompt_tokens, pad_buckets: padding policy (module docstring,
+      `bucket_width`); default to the data config's values ("pow2" buckets when it has none).
     drop_remainder: at the end of a finite dataset, drop a last batch with
       fewer than P prompts (default) or yield it.
     distinct: skip (and count as "duplicates") an example whose rendered prompt
@@ -128,7 +152,7 @@ class PromptBatcher:
   def __init__(self, dataset: PromptDataset, tokenizer: Any, prompts_per_batch: int, *,
                max_prompt_tokens: int | None = None, pad_multiple: int | None = None,
                pad_to_max_prompt_tokens: bool | None = None, drop_remainder: bool = True, distinct: bool = False,
-               tools: list[dict] | None = None):
+               tools: list[dict] | None = None, pad_buckets: str | None = None):
     cfg = dataset.config
     if not isinstance(prompts_per_batch, int) or prompts_per_batch < 1:
       raise ConfigError(f"PromptBatcher(prompts_per_batch={prompts_per_batch!r}): expected an integer >= 1.")
@@ -142,6 +166,8 @@ class PromptBatcher:
       raise ConfigError("PromptBatcher: pad_to_max_prompt_tokens needs max_prompt_tokens to be set.")
     if self.pad_multiple < 1:
       raise ConfigError(f"PromptBatcher(pad_multiple={self.pad_multiple}): expected an integer >= 1.")
+    self.pad_buckets = cfg.get("pad_buckets", "pow2") if pad_buckets is None else pad_buckets
+    bucket_width(1, self.pad_multiple, None, self.pad_buckets)   # validates pad_buckets
     self.drop_remainder = drop_remainder
     self._seen: set[str] | None = set() if distinct else None
     self._chat_template = cfg["chat_template"]
@@ -244,8 +270,7 @@ class PromptBatcher:
   def _width(self, longest: int) -> int:
     if self.pad_to_max:
       return self.max_prompt_tokens
-    width = -(-max(longest, 1) // self.pad_multiple) * self.pad_multiple
-    return width if self.max_prompt_tokens is None else min(width, self.max_prompt_tokens)
+    return bucket_width(longest, self.pad_multiple, self.max_prompt_tokens, self.pad_buckets)
 
   def __next__(self) -> PromptBatch:
     examples = []
@@ -257,13 +282,8 @@ class PromptBatcher:
     if not examples or (len(examples) < self.prompts_per_batch and self.drop_remainder):
       raise StopIteration
     width = self._width(max(len(e["prompt_ids"]) for e in examples))
-    ids = np.full((len(examples), width), self.tokenizer.pad_id, np.int32)
-    mask = np.zeros((len(examples), width), bool)
-    for row, example in enumerate(examples):
-      tokens = example.pop("prompt_ids")
-      if tokens:
-        ids[row, width - len(tokens):] = tokens
-        mask[row, width - len(tokens):] = True
+    ids, mask = left_pad([e.pop("prompt_ids") for e in examples], self.tokenizer.pad_id, width)
+    for example in examples:
       self._count("examples", example["source"])
     self._stats["batches"] += 1
     return PromptBatch(prompt_ids=ids, prompt_mask=mask, examples=examples)

@@ -28,6 +28,7 @@ TOP_LEVEL_DEFAULTS: dict[str, Any] = {
     "chat_template": True,
     "max_prompt_tokens": None,
     "pad_multiple": 16,
+    "pad_buckets": "pow2",          # prompt widths: 16 x 2^k ("pow2": a handful of programs) or any multiple
     "pad_to_max_prompt_tokens": False,
     "on_malformed": "skip",
     "shuffle": True,
@@ -273,6 +274,8 @@ def normalize_config(cfg: Any) -> dict[str, Any]:
   _check_int(out["max_prompt_tokens"], "data.max_prompt_tokens", minimum=1, optional=True)
   _check_int(out["pad_multiple"], "data.pad_multiple", minimum=1)
   _check_bool(out["pad_to_max_prompt_tokens"], "data.pad_to_max_prompt_tokens")
+  if out["pad_buckets"] not in ("pow2", "multiple"):   # = rljax.data.batching.PAD_BUCKETS
+    raise ConfigError(f"data.pad_buckets={out['pad_buckets']!r} is not one of ('pow2', 'multiple').")
   if out["pad_to_max_prompt_tokens"] and out["max_prompt_tokens"] is None:
     raise ConfigError("data.pad_to_max_prompt_tokens=true needs data.max_prompt_tokens to be set.")
   if out["on_malformed"] not in ("skip", "raise"):

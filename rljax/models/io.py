@@ -4,6 +4,13 @@
     policy = load_pretrained("model.Q4_1.gguf")           # llama.cpp checkpoint
     policy = load_pretrained("smollm2-135m-instruct")     # weights shipped in a pip package
     save_pretrained(policy, "out_dir", dtype="bfloat16")  # loadable by transformers as is
+    policy = load_pretrained("path/to/hf_dir", param_dtype="bfloat16", mesh=mesh)   # sharded load
+
+With `mesh` (or `shardings`), each process reads from the safetensors files only the slices its
+own devices hold, straight into the sharded layout and the storage dtype: no full copy of the
+model exists on any device or in any host's memory (docs/models.md, "Sharded loading"). GGUF
+files are quantized: they are dequantized one tensor at a time on the host and each parameter
+(all its layers, in the storage dtype) is placed by slices.
 
 Every problem with the input (missing file, corrupt file, unsupported architecture,
 config/weights mismatch) raises one `WeightsError` naming the file and the problem.
@@ -21,7 +28,7 @@ import numpy as np
 from rljax.errors import WeightsError
 from rljax.models import builtin
 from rljax.models.config import ModelConfig
-from rljax.models.convert import _expected_hf_shapes, hf_to_params, params_to_hf
+from rljax.models.convert import _expected_hf_shapes, _layer_specs, hf_to_params, params_to_hf
 from rljax.models.policy import Policy
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -132,6 +139,16 @@ class _SafetensorsCheckpoint:
     except Exception as e:
       raise WeightsError(f"{path}: tensor {name!r} is unreadable ({e}).") from None
 
+  def read(self, name: str, index: tuple) -> np.ndarray:
+    """The block `index` (a tuple of slices) of a tensor, reading only that block from the file."""
+    path = self._file_of.get(name)
+    if path is None:
+      raise WeightsError(f"{self.source}: tensor {name!r} is missing.")
+    try:
+      return np.asarray(self._handles[path].get_slice(name)[index])
+    except Exception as e:
+      raise WeightsError(f"{path}: tensor {name!r} is unreadable ({e}).") from None
+
 
 def _check_shapes(config: ModelConfig, names, shape_of: Callable[[str], tuple], file_of: Callable[[str], str],
                   config_source: str) -> None:
@@ -167,12 +184,14 @@ def _required(c: ModelConfig, name: str) -> bool:
 
 
 def load_pretrained(x: str | os.PathLike, *, dtype: str = "float32", param_dtype: str = "float32",
-                    mesh=None, tokenizer: bool = True) -> Policy:
+                    mesh=None, shardings=None, tokenizer: bool = True) -> Policy:
   """Loads a Policy from an HF directory, a `.gguf` file or a built-in name.
 
   dtype: compute dtype ("float32" | "bfloat16" | "float16"); param_dtype: storage dtype
-  of the parameters. With `mesh`, parameters are placed sharded by their logical axes
-  (straight from host memory, never gathered on one device).
+  of the parameters. Without `mesh` and `shardings` the parameters go to the default device.
+  With `mesh`, they are sharded by their logical axes (`param_shardings(config, mesh)`); or pass
+  `shardings`, a pytree of Shardings matching the parameters. Either way each process reads only
+  the slices of the checkpoint its devices hold, in the storage dtype (module doc).
 
   The tokenizer (`rljax.tokenizer.load_tokenizer` on the same source) is attached as
   `policy.tokenizer`; it is None when the source holds no tokenizer (an HF directory
@@ -193,12 +212,153 @@ def load_pretrained(x: str | os.PathLike, *, dtype: str = "float32", param_dtype
     has_tokenizer = any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
     _check_shapes(config, ckpt.names, ckpt.shape, ckpt.file_of, CONFIG_FILE)
   config = config.replace(dtype=dtype, param_dtype=param_dtype)
-  params = hf_to_params(config, ckpt.get, ckpt.names, source)
+  if mesh is None and shardings is None:
+    params = jax.device_put(hf_to_params(config, ckpt.get, ckpt.names, source))
+  else:
+    if shardings is None:
+      from rljax.models.policy import param_shardings
+      shardings = param_shardings(config, mesh)
+    if kind == "gguf":
+      params = _place_whole(config, ckpt.get, shardings)
+    else:
+      params = _place_slices(config, ckpt, shardings)
   policy = Policy(config=config, params=params, source=path)
-  policy = policy.shard(mesh) if mesh is not None else policy.with_params(jax.device_put(params))
   if tokenizer and has_tokenizer:
     policy.tokenizer = _load_tokenizer(path)
   return policy
+
+
+# ---- sharded placement ---------------------------------------------------------------------------
+#
+# Each rljax parameter is a layout transform of HF tensors (convert.py): a kind per parameter
+# says how an index of the rljax array maps to a block of the HF tensor, so a device's shard
+# is read as that block and transformed, never the whole tensor.
+
+_KINDS = {
+    ("attn", "q_kernel"): ("qkv", "heads"), ("attn", "k_kernel"): ("qkv", "kv"), ("attn", "v_kernel"): ("qkv", "kv"),
+    ("attn", "o_kernel"): ("o", "heads"),
+    ("attn", "q_bias"): ("bias", "heads"), ("attn", "k_bias"): ("bias", "kv"), ("attn", "v_bias"): ("bias", "kv"),
+    ("mlp", "gate_kernel"): ("t", None), ("mlp", "up_kernel"): ("t", None), ("mlp", "down_kernel"): ("t", None),
+}
+
+
+def _bounds(index: slice, n: int) -> tuple[int, int]:
+  start, stop, step = index.indices(n)
+  if step != 1:
+    raise WeightsError(f"a strided shard index {index} is not supported by sharded loading.")
+  return start, stop
+
+
+def _read_block(c: ModelConfig, kind: str, heads: str | None, read, name: str, index: tuple) -> np.ndarray:
+  """The block `index` of one layer's rljax array (its layer axis removed) from HF tensor `name`.
+
+  read(name, hf_index) returns that block of the HF tensor. Shapes (rljax <- HF): ident [X] <- [X];
+  t [in, out] <- [out, in]; qkv [D, H, Dh] <- [H*Dh, D]; o [H, Dh, D] <- [D, H*Dh]; bias [H, Dh] <- [H*Dh].
+  """
+  dh = c.head_dim
+  n_heads = c.num_heads if heads == "heads" else c.num_kv_heads
+  if kind == "ident":
+    return read(name, index)
+  if kind == "t":
+    i, o = index
+    return read(name, (o, i)).T
+  if kind == "qkv":
+    d, h, e = index
+    h0, h1 = _bounds(h, n_heads)
+    w = read(name, (slice(h0 * dh, h1 * dh), d))
+    return w.reshape(h1 - h0, dh, -1).transpose(2, 0, 1)[:, :, e]
+  if kind == "o":
+    h, e, d = index
+    h0, h1 = _bounds(h, n_heads)
+    w = read(name, (d, slice(h0 * dh, h1 * dh)))
+    return w.reshape(w.shape[0], h1 - h0, dh).transpose(1, 2, 0)[:, e, :]
+  if kind == "bias":
+    h, e = index
+    h0, h1 = _bounds(h, n_heads)
+    return read(name, (slice(h0 * dh, h1 * dh),)).reshape(h1 - h0, dh)[:, e]
+  raise AssertionError(kind)
+
+
+def _param_sources(c: ModelConfig):
+  """[(rljax path, HF name or per-layer suffix, kind, heads, stacked over layers)] for every parameter."""
+  out = [(("embedding",), "model.embed_tokens.weight", "ident", None, False),
+         (("final_norm", "scale"), "model.norm.weight", "ident", None, False)]
+  if not c.tie_word_embeddings:
+    out.append((("lm_head",), "lm_head.weight", "t", None, False))
+  for path, suffix, _, _ in _layer_specs(c):
+    kind, heads = _KINDS.get(path, ("ident", None))
+    out.append((("layers",) + path, suffix, kind, heads, True))
+  return out
+
+
+def _tree_get(tree, path):
+  for p in path:
+    tree = tree[p]
+  return tree
+
+
+def _tree_set(tree: dict, path, value) -> None:
+  for p in path[:-1]:
+    tree = tree.setdefault(p, {})
+  tree[path[-1]] = value
+
+
+def _place_slices(c: ModelConfig, ckpt: "_SafetensorsCheckpoint", shardings) -> dict:
+  """Every parameter as a sharded jax.Array whose local shards are read from the safetensors files.
+
+  `jax.make_array_from_callback` asks only for the shards of this process's devices; each is
+  read as HF blocks (`safe_open(...).get_slice(name)[block]`) and cast to the storage dtype.
+  Peak host memory: about one device's shard of one parameter.
+  """
+  dtype = np.dtype(c.storage_dtype)
+  params: dict = {}
+  for path, name, kind, heads, stacked in _param_sources(c):
+    sharding = _tree_get(shardings, path)
+    shape = _param_shape(c, path)
+
+    def shard(index, name=name, kind=kind, heads=heads, stacked=stacked):
+      if not stacked:
+        return _read_block(c, kind, heads, ckpt.read, name, tuple(index)).astype(dtype)
+      first, *rest = index
+      layers = range(c.num_layers)[first]
+      return np.stack([_read_block(c, kind, heads, ckpt.read, f"model.layers.{i}.{name}", tuple(rest)).astype(dtype)
+                       for i in layers])
+
+    _tree_set(params, path, jax.make_array_from_callback(shape, sharding, shard))
+  return params
+
+
+def _place_whole(c: ModelConfig, get, shardings) -> dict:
+  """GGUF: each parameter built on the host (dequantized tensor by tensor, in the storage dtype)
+  and placed by slices (jax.device_put copies each device only its shard); one at a time."""
+  dtype = np.dtype(c.storage_dtype)
+  params: dict = {}
+  for path, name, kind, heads, stacked in _param_sources(c):
+    full = tuple(slice(None) for _ in _param_shape(c, path)[1 if stacked else 0:])
+    if stacked:
+      value = np.stack([_read_block(c, kind, heads, lambda n, i: get(n)[i], f"model.layers.{k}.{name}", full)
+                        .astype(dtype) for k in range(c.num_layers)])
+    else:
+      value = _read_block(c, kind, heads, lambda n, i: get(n)[i], name, full).astype(dtype)
+    _tree_set(params, path, jax.device_put(value, _tree_get(shardings, path)))
+    del value
+  return params
+
+
+def _param_shape(c: ModelConfig, path) -> tuple[int, ...]:
+  d, h, k, dh, f, v, n = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                          c.vocab_size, c.num_layers)
+  top = {("embedding",): (v, d), ("final_norm", "scale"): (d,), ("lm_head",): (d, v)}
+  if path in top:
+    return top[path]
+  per_layer = {
+      ("input_norm", "scale"): (d,), ("post_attn_norm", "scale"): (d,),
+      ("attn", "q_kernel"): (d, h, dh), ("attn", "k_kernel"): (d, k, dh), ("attn", "v_kernel"): (d, k, dh),
+      ("attn", "o_kernel"): (h, dh, d), ("attn", "q_bias"): (h, dh), ("attn", "k_bias"): (k, dh),
+      ("attn", "v_bias"): (k, dh), ("attn", "q_norm", "scale"): (dh,), ("attn", "k_norm", "scale"): (dh,),
+      ("mlp", "gate_kernel"): (d, f), ("mlp", "up_kernel"): (d, f), ("mlp", "down_kernel"): (f, d),
+  }
+  return (n,) + per_layer[tuple(path[1:])]
 
 
 def _load_tokenizer(path: str):

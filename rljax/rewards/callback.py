@@ -1,19 +1,35 @@
 """The bridge from a jitted training step to the reward pool (jax.experimental.io_callback).
 
-    reward_fn = make_reward_fn(pool, tokenizer.batch_decode, group_size=G)
-    reward_fn.set_batch(examples, step=step)          # host, before the jitted step
+    reward_fn = make_reward_fn(pool, tokenizer.batch_decode, group_size=G, mesh=mesh)
+    reward_fn.set_batch(examples, step=step, indices=global_prompt_indices)   # host, before the step
     ...inside jit:
     rewards, components = reward_fn(tokens, lengths)  # [N, T] int32, [N] int32 -> [N] f32, [N, K] f32
-    ...after the step, on the host:
-    reward_fn.last_metrics()                          # the pool's metrics of that batch
+    ...after the step, on every process:
+    reward_fn.global_metrics()                        # the pool's metrics, combined over processes
 
-The callback receives the whole (gathered) batch once, decodes token ids to strings with
-`decode_fn(list_of_token_id_lists) -> list[str]`, and scores them with `num_tokens=lengths`.
-Its results come back on one device; pass `sharding=` (a NamedSharding of the batch axis)
-or give the jit out_shardings to have them sharded.
+Scoring is per host. With a mesh, the callback runs inside `jax.shard_map`, once per device,
+on the rows that device holds (the rows are sharded like the prompts: row r belongs to prompt
+r // G, so a device's rows are whole groups). Each process gathers its own devices' rows,
+decodes and scores them once in its own pool (replicas over the other mesh axes are scored
+once), and hands every device its slice; rewards come back sharded like the rows. No process
+sees another's examples: `set_batch` takes the process's examples and their global prompt (or
+row) indices, `local_indices` below computes them from the prompt batch's sharding. Without a
+mesh the callback scores the whole batch on one device, as before.
+
+The pool's metrics (`last_metrics`) describe the rows this process scored; `global_metrics`
+combines them over processes (a small host all-gather: call it on every process, after the step).
+
+Why the callback's inputs are passed in pieces of at most 96 KiB: jax's io_callback copies each
+argument onto the first CPU device before the host function sees it, and the CPU client makes a
+copy larger than 100 KiB asynchronously on the thread pool that also runs the devices' programs.
+On simulated CPU devices, when the other devices have already entered a collective (each one
+blocking a pool thread), that copy never runs and the step deadlocks (measured on jax 0.10.2:
+8 devices, one callback argument of 104 KiB per device hangs; 96 KiB does not).
 """
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -23,43 +39,155 @@ import numpy as np
 from rljax.rewards.compose import RewardBatch
 from rljax.rewards.pool import RewardPool
 
+log = logging.getLogger("rljax.rewards")
+
+# The largest callback argument the CPU client copies synchronously is 100 KiB (module doc).
+_PIECE_BYTES = 96 * 1024
+# How long a device's callback waits for the process's other devices before scoring alone.
+DEFAULT_GATHER_TIMEOUT_S = 30.0
+
+
+def local_indices(sharding, shape) -> np.ndarray:
+  """The global indices along dim 0 that this process's devices hold (`rljax.sharding.local_indices`)."""
+  from rljax.sharding import local_indices as impl   # jax is imported lazily: verifier workers import this module
+  return impl(sharding, shape)
+
+
+class _Round:
+  """The callbacks of one step on this process: the rows its devices hold, scored once."""
+
+  def __init__(self, expected: int):
+    self.expected = expected
+    self.arrivals: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []   # (rows, tokens, lengths)
+    self.start = time.perf_counter()
+    self.closed = False       # no more arrivals join (all came, or a waiter stopped waiting)
+    self.scoring = False
+    self.done = False
+    self.error: BaseException | None = None
+    self.results: dict[int, tuple[float, np.ndarray]] = {}
+
 
 class RewardFn:
-  """Host state plus the jit-side call of the reward callback (see the module doc)."""
+  """Host state plus the jit-side call of the reward callback (see the module doc).
+
+  Args:
+    pool: the RewardPool scoring this process's rows.
+    decode_fn: list of token-id lists -> list of strings.
+    group_size: G, completions per prompt.
+    mesh: score per device shard on this mesh (per host); None scores the whole batch at once.
+    sharding: accepted for compatibility: its mesh is used as `mesh`.
+    gather_timeout_s: how long a device's callback waits for the process's other devices
+      before scoring its rows alone (a warning is logged when that happens).
+  """
 
   def __init__(self, pool: RewardPool, decode_fn: Callable[[list[list[int]]], Sequence[str]], *,
-               group_size: int = 1, sharding: Any = None):
+               group_size: int = 1, sharding: Any = None, mesh: Any = None,
+               gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S):
     self.pool = pool
     self.decode_fn = decode_fn
     self.group_size = int(group_size)
     self.sharding = sharding
+    self.mesh = mesh if mesh is not None else getattr(sharding, "mesh", None)
+    self.gather_timeout_s = float(gather_timeout_s)
     self.component_names = list(pool.component_names)
     self._lock = threading.Lock()
+    self._cv = threading.Condition(self._lock)
     self._examples: list[Mapping[str, Any]] | None = None
+    self._indices: np.ndarray | None = None
+    self._per_row: bool | None = None
     self._step = 0
+    self._round: _Round | None = None
     self._last: RewardBatch | None = None
+    self._last_rows: np.ndarray | None = None
+    self._last_rewards: np.ndarray | None = None
     self._timing: dict[str, float] | None = None
 
-  def set_batch(self, examples: Sequence[Mapping[str, Any]], step: int = 0, group_size: int | None = None) -> None:
-    """The examples of the next call: one per prompt or one per completion (prompt-major)."""
+  # ---- host side ------------------------------------------------------------------------------
+
+  def set_batch(self, examples: Sequence[Mapping[str, Any]], step: int = 0, group_size: int | None = None, *,
+                indices: Sequence[int] | np.ndarray | None = None, per_row: bool | None = None) -> None:
+    """The examples of the next call: one per prompt or one per completion (prompt-major).
+
+    indices: the global prompt index (per_row: row index) of each example; None when the
+      examples cover the whole batch in order (one process, or gathered). On several processes
+      pass `local_indices(prompt_sharding, num_prompts)`: each process then scores only the
+      rows its devices hold, against its own examples.
+    per_row: whether there is one example per completion; None decides by count (N or N // G).
+    """
     with self._lock:
       self._examples = list(examples)
+      self._indices = None if indices is None else np.asarray(indices, np.int64).reshape(-1)
+      if self._indices is not None and len(self._indices) != len(self._examples):
+        raise ValueError(f"set_batch got {len(self._examples)} examples but {len(self._indices)} indices.")
+      self._per_row = per_row
       self._step = int(step)
       if group_size is not None:
         self.group_size = int(group_size)
 
-  def host_fn(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Decodes and scores a batch on the host; returns (rewards [N] f32, components [N, K] f32)."""
-    start = time.perf_counter()
-    with self._lock:
-      examples, step, g = self._examples, self._step, self.group_size
+  def _lookup(self, rows: np.ndarray, n_total: int) -> list[Mapping[str, Any]]:
+    """The example of each global row index (raises naming the missing prompt)."""
+    examples, indices, g = self._examples, self._indices, max(self.group_size, 1)
     if examples is None:
       raise RuntimeError("reward_fn.set_batch(examples, step) must be called before the jitted step.")
-    rewards, comps, out = self.score(tokens, lengths, examples, step=step, group_size=g)
+    per_row = self._per_row
+    if indices is None:
+      if per_row is None:
+        per_row = len(examples) == n_total
+      if len(examples) != (n_total if per_row else n_total // g) or n_total % g:
+        raise ValueError(f"reward_fn got {n_total} completions for {len(examples)} examples with group_size={g}; "
+                         "set_batch needs one example per prompt (N // G) or per completion (N), or indices=.")
+      return [examples[r if per_row else r // g] for r in rows.tolist()]
+    table = {int(i): e for i, e in zip(indices, examples)}
+    out = []
+    for r in rows.tolist():
+      key = r if per_row else r // g
+      if key not in table:
+        raise RuntimeError(f"reward callback: {'row' if per_row else 'prompt'} {key} is held by this process's "
+                           "devices but set_batch(indices=...) has no example for it; pass the global indices "
+                           "of this process's prompts (rljax.rewards.callback.local_indices).")
+      out.append(table[key])
+    return out
+
+  def host_fn(self, tokens: np.ndarray, lengths: np.ndarray, rows: np.ndarray | None = None,
+              n_total: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Decodes and scores rows on the host; returns (rewards [n] f32, components [n, K] f32).
+
+    tokens [n, T], lengths [n]; rows [n] their global row indices and n_total the batch's N
+    (defaults: the n rows are the whole batch, in order).
+    """
+    start = time.perf_counter()
+    tokens = np.asarray(tokens)
+    n = tokens.shape[0]
+    rows = np.arange(n) if rows is None else np.asarray(rows, np.int64).reshape(-1)
     with self._lock:
-      self._last = out
-      self._timing = {"start": start, "end": time.perf_counter()}
+      step, g = self._step, self.group_size
+      examples = self._lookup(rows, n if n_total is None else int(n_total))
+    rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows)
+    with self._lock:
+      self._publish(out, rows, rewards, start)
     return rewards, comps
+
+  def _publish(self, out: RewardBatch, rows: np.ndarray, rewards: np.ndarray, start: float) -> None:
+    self._last, self._last_rows, self._last_rewards = out, rows, rewards
+    self._timing = {"start": start, "end": time.perf_counter()}
+
+  def _score_rows(self, tokens, lengths, examples, step, g, rows):
+    """Scores rows [n] (sorted global indices, whole groups) against their examples."""
+    tokens = np.asarray(tokens)
+    lengths = np.asarray(lengths).reshape(-1).astype(np.int64)
+    n = tokens.shape[0]
+    g = max(int(g), 1)
+    blocks = rows.reshape(-1, g) if n % g == 0 else None
+    if blocks is None or not np.array_equal(blocks, blocks[:, :1] // g * g + np.arange(g)):
+      raise ValueError(f"reward callback: the {n} rows on this process are not whole groups of {g} "
+                       "(group verifiers need every completion of a prompt); make train.prompts_per_step "
+                       "divisible by the product of mesh.shape's data and fsdp axes.")
+    ids = [tokens[i, :max(0, min(int(lengths[i]), tokens.shape[1]))].tolist() for i in range(n)]
+    texts = list(self.decode_fn(ids))
+    out = self.pool.score(texts, examples, num_tokens=lengths, group_size=g, step=step)
+    rewards = np.asarray(out.rewards, np.float32).reshape(n)
+    comps = out.components_matrix().reshape(n, len(self.component_names))
+    return rewards, comps, out
 
   def score(self, tokens: np.ndarray, lengths: np.ndarray, examples: Sequence[Mapping[str, Any]], *,
             step: int = 0, group_size: int | None = None) -> tuple[np.ndarray, np.ndarray, RewardBatch]:
@@ -82,39 +210,226 @@ class RewardFn:
     comps = out.components_matrix().reshape(n, len(self.component_names))
     return rewards, comps, out
 
+  # ---- per-shard callbacks: one round per step on this process --------------------------------
+
+  def _local_devices(self) -> int:
+    import jax
+    me = jax.process_index()
+    return sum(1 for d in np.asarray(self.mesh.devices).flat if d.process_index == me)
+
+  def _shard_fn(self, n_total: int, width: int, *args) -> tuple[np.ndarray, np.ndarray]:
+    """One device's callback: its rows' tokens (in pieces), lengths and global row indices."""
+    *pieces, lengths, rows = args
+    rows = np.asarray(rows, np.int64).reshape(-1)
+    n = rows.size
+    flat = np.concatenate([np.asarray(p).reshape(-1) for p in pieces]) if pieces else np.zeros(0, np.int32)
+    tokens = flat[:n * width].reshape(n, width)
+    lengths = np.asarray(lengths).reshape(-1)
+    with self._cv:
+      r = self._round
+      if r is None or r.closed:
+        r = self._round = _Round(self._local_devices())
+      r.arrivals.append((rows, tokens, lengths))
+      if len(r.arrivals) >= r.expected:
+        r.closed = True
+        self._cv.notify_all()
+      deadline = time.monotonic() + self.gather_timeout_s
+      while not r.closed and time.monotonic() < deadline:
+        self._cv.wait(timeout=max(deadline - time.monotonic(), 0.0))
+      if not r.closed:
+        r.closed = True
+        log.warning("reward callback: %d of this process's %d devices reached the scoring callback within "
+                    "%.0f s; scoring those rows now (the others are scored when they arrive)",
+                    len(r.arrivals), r.expected, self.gather_timeout_s)
+      lead = not r.scoring
+      r.scoring = True
+    if lead:
+      self._score_round(r, n_total)
+    with self._cv:
+      while not r.done:
+        self._cv.wait()
+      if r.error is not None:
+        raise r.error
+      rewards = np.asarray([r.results[int(i)][0] for i in rows], np.float32).reshape(n)
+      comps = np.asarray([r.results[int(i)][1] for i in rows], np.float32).reshape(n, len(self.component_names))
+    return rewards, comps
+
+  def _score_round(self, r: _Round, n_total: int) -> None:
+    """Scores the unique rows of a round once and wakes its devices."""
+    try:
+      with self._lock:
+        step, g = self._step, self.group_size
+      rows = np.concatenate([a[0] for a in r.arrivals])
+      tokens = np.concatenate([a[1] for a in r.arrivals])
+      lengths = np.concatenate([a[2] for a in r.arrivals])
+      rows, first = np.unique(rows, return_index=True)   # replicas (other mesh axes) scored once
+      tokens, lengths = tokens[first], lengths[first]
+      with self._lock:
+        examples = self._lookup(rows, n_total)
+      rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows)
+      results = {int(i): (float(rw), c) for i, rw, c in zip(rows, rewards, comps)}
+      with self._cv:
+        r.results = results
+        self._publish(out, rows, rewards, r.start)
+    except BaseException as e:  # noqa: BLE001 - re-raised in every waiting device's callback
+      with self._cv:
+        r.error = e
+    finally:
+      with self._cv:
+        r.done = True
+        self._cv.notify_all()
+
+  # ---- jit side -----------------------------------------------------------------------------------
+
   def __call__(self, tokens, lengths):
-    """Inside jit: (rewards [N] float32, components [N, K] float32) via io_callback."""
+    """Inside jit: (rewards [N] float32, components [N, K] float32) via io_callback.
+
+    tokens [N, T] int, lengths [N] int. With a mesh of more than one device the rows are
+    scored per device shard (module doc) and the results are sharded like the rows.
+    """
     import jax
     import jax.numpy as jnp
     from jax.experimental import io_callback
-    n = tokens.shape[0]
-    shapes = (jax.ShapeDtypeStruct((n,), jnp.float32),
-              jax.ShapeDtypeStruct((n, len(self.component_names)), jnp.float32))
-    rewards, comps = io_callback(self.host_fn, shapes, tokens, lengths, ordered=False)
-    if self.sharding is not None:
-      from jax.sharding import NamedSharding, PartitionSpec
-      rewards = jax.lax.with_sharding_constraint(rewards, self.sharding)
-      spec = tuple(self.sharding.spec) + (None,) * (2 - len(tuple(self.sharding.spec)))
-      comps = jax.lax.with_sharding_constraint(comps, NamedSharding(self.sharding.mesh, PartitionSpec(*spec[:2])))
+    n, width = tokens.shape
+    k = len(self.component_names)
+    tokens = tokens.astype(jnp.int32)
+    lengths = lengths.astype(jnp.int32)
+    rows = jnp.arange(n, dtype=jnp.int32)
+    if self.mesh is None or self.mesh.size == 1:
+      shapes = (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32))
+      return io_callback(lambda *a: self._whole_fn(n, width, *a), shapes, *_pieces(tokens), lengths, rows,
+                         ordered=False)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from rljax import sharding as shd
+    g = max(self.group_size, 1)
+    # Rows are sharded over the mesh axes that shard the prompts, so each shard is whole groups.
+    axes = shd.logical_to_spec(("batch",), (n // g if n % g == 0 else n,), self.mesh)[0]
+    if axes is not None and n % math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)):
+      axes = None
+
+    def body(tok, lens, idx):
+      m = tok.shape[0]
+      shapes = (jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((m, k), jnp.float32))
+      return io_callback(lambda *a: self._shard_fn(n, width, *a), shapes, *_pieces(tok), lens, idx,
+                         ordered=False)
+
+    rewards, comps = jax.shard_map(body, mesh=self.mesh, in_specs=(P(axes, None), P(axes), P(axes)),
+                                   out_specs=(P(axes), P(axes, None)), check_vma=False)(tokens, lengths, rows)
+    rewards = jax.lax.with_sharding_constraint(rewards, NamedSharding(self.mesh, P(axes)))
+    comps = jax.lax.with_sharding_constraint(comps, NamedSharding(self.mesh, P(axes, None)))
     return rewards, comps
 
+  def _whole_fn(self, n_total: int, width: int, *args):
+    """The callback without a mesh: every row at once."""
+    *pieces, lengths, rows = args
+    flat = np.concatenate([np.asarray(p).reshape(-1) for p in pieces]) if pieces else np.zeros(0, np.int32)
+    tokens = flat[:n_total * width].reshape(n_total, width)
+    return self.host_fn(tokens, lengths, rows, n_total)
+
+  # ---- results --------------------------------------------------------------------------------------
+
   def last_batch(self) -> RewardBatch | None:
-    """The RewardBatch of the last callback (None before the first)."""
+    """The RewardBatch of the last callback on this process (None before the first)."""
     with self._lock:
       return self._last
 
+  def last_rows(self) -> np.ndarray | None:
+    """The global row indices this process scored in the last callback."""
+    with self._lock:
+      return None if self._last_rows is None else self._last_rows.copy()
+
   def last_metrics(self) -> dict[str, float]:
-    """The pool's metrics of the last callback ({} before the first)."""
+    """The pool's metrics of the last callback, over the rows this process scored ({} before the first)."""
     with self._lock:
       return dict(self._last.metrics) if self._last is not None else {}
 
+  def global_metrics(self) -> dict[str, float]:
+    """`last_metrics` combined over every process (a host all-gather: call it on every process).
+
+    reward/mean, /std, /min, /max are exact over all rows; counts (verifier/timeouts, ...)
+    are summed; verifier/seconds is the slowest process's; other means are weighted by each
+    process's rows. Adds verifier/items (rows scored, all processes) and
+    verifier/scoring_processes (processes that scored at least one row).
+    """
+    import jax
+    with self._lock:
+      mine = _summary(self._last, self._last_rewards)
+    if jax.process_count() == 1:
+      parts = [mine]
+    else:
+      from rljax.sharding import allgather_objects
+      parts = allgather_objects(mine)
+    return combine_process_metrics(parts)
+
   def last_timing(self) -> dict[str, float] | None:
-    """time.perf_counter() at the start and end of the last callback."""
+    """time.perf_counter() at the start and end of the last callback (first arrival to scores)."""
     with self._lock:
       return dict(self._timing) if self._timing else None
 
 
+def _pieces(tokens):
+  """tokens [n, T] int32 as flat pieces of at most _PIECE_BYTES each (module doc)."""
+  import jax.numpy as jnp
+  flat = tokens.reshape(-1)
+  per = _PIECE_BYTES // 4
+  if flat.size <= per:
+    return [flat]
+  count = math.ceil(flat.size / per)
+  flat = jnp.pad(flat, (0, count * per - flat.size))
+  return [flat[i * per:(i + 1) * per] for i in range(count)]
+
+
+_SUMMED = ("verifier/timeouts", "verifier/errors", "verifier/crashes", "verifier/deadline_misses",
+           "verifier/restarts", "verifier/failures")
+
+
+def _summary(batch: RewardBatch | None, rewards: np.ndarray | None) -> dict:
+  """What one process contributes to the global metrics (JSON-able): its pool metrics and rewards."""
+  if batch is None or rewards is None:
+    return {"n": 0, "rewards": [], "metrics": {}}
+  r = np.asarray(rewards, np.float64).reshape(-1)
+  return {"n": int(r.size), "rewards": r.tolist(), "metrics": {k: float(v) for k, v in batch.metrics.items()}}
+
+
+def combine_process_metrics(parts: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+  """Global reward metrics from per-process summaries ({"n", "rewards", "metrics"}).
+
+  reward/mean, /std, /min, /max come from every process's rewards with exactly rounded sums
+  (math.fsum), so they do not depend on how the rows were split over processes.
+  """
+  parts = [p for p in parts if p.get("n", 0) > 0]
+  if not parts:
+    return {}
+  n = sum(p["n"] for p in parts)
+  out: dict[str, float] = {}
+  keys = sorted({k for p in parts for k in p["metrics"]})
+  for key in keys:
+    have = [p for p in parts if key in p["metrics"]]
+    values = [p["metrics"][key] for p in have]
+    if key in _SUMMED:
+      out[key] = float(sum(values))
+    elif key == "verifier/seconds":
+      out[key] = float(max(values))
+    elif key == "verifier/items_per_s":
+      seconds = max(p["metrics"].get("verifier/seconds", 0.0) for p in parts)
+      out[key] = n / seconds if seconds > 0 else 0.0
+    else:
+      weight = sum(p["n"] for p in have)
+      out[key] = float(math.fsum(p["n"] * v for p, v in zip(have, values)) / max(weight, 1))
+  r = np.concatenate([np.asarray(p["rewards"], np.float64) for p in parts])
+  mean = math.fsum(r.tolist()) / n
+  out["reward/mean"] = mean
+  out["reward/std"] = math.sqrt(math.fsum(((r - mean) ** 2).tolist()) / n)
+  out["reward/min"] = float(r.min())
+  out["reward/max"] = float(r.max())
+  out["verifier/items"] = float(n)
+  out["verifier/scoring_processes"] = float(len(parts))
+  return out
+
+
 def make_reward_fn(pool: RewardPool, decode_fn: Callable[[list[list[int]]], Sequence[str]], *,
-                   group_size: int = 1, sharding: Any = None) -> RewardFn:
+                   group_size: int = 1, sharding: Any = None, mesh: Any = None,
+                   gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S) -> RewardFn:
   """The io_callback reward function of `pool` (see the module doc)."""
-  return RewardFn(pool, decode_fn, group_size=group_size, sharding=sharding)
+  return RewardFn(pool, decode_fn, group_size=group_size, sharding=sharding, mesh=mesh,
+                  gather_timeout_s=gather_timeout_s)

@@ -4,6 +4,17 @@
 vocabulary chunks of `[B*T, C]` through an online log-sum-exp, and a custom VJP recomputes each
 chunk's logits in the backward pass. Peak temporary memory is O(B*T*C) instead of O(B*T*V)
 (figures in docs/loss.md, measured by scripts/bench_logprobs_memory.py).
+
+On a mesh (passed, or put in scope by `rljax.sharding.activate`) the computation runs inside
+`jax.shard_map`: each device streams the chunks of its own rows (batch axes) and of its own
+vocabulary shard (`tensor`), and the loops hold no collective. The forward combines the
+per-shard log-sum-exp statistics once after the loop (a max and three sums over `tensor`), the
+backward sums dh over `tensor` and dW over the batch axes once after the loop. A collective
+inside the chunk loop, as XLA's partitioner placed one when it split the contraction over the
+fsdp-sharded hidden dimension, made the fused step deadlock on CPU meshes such as (1, 8, 1):
+XLA:CPU runs independent thunks concurrently on a shared pool whose threads block inside a
+collective, so a device still in the loop and seven devices already in the next all-reduce
+could hold every thread (measured: 3 of 3 runs on jax 0.10.2).
 """
 from __future__ import annotations
 
@@ -41,7 +52,7 @@ def naive_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
 
 def chunked_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
                      temperature: float = 1.0, chunk_size: int = 4096,
-                     precision=None) -> tuple[jax.Array, jax.Array]:
+                     precision=None, mesh=None) -> tuple[jax.Array, jax.Array]:
   """log p(target) and entropy of softmax(hidden @ lm_head / temperature), in fp32.
 
   Equal (values and gradients, to fp32 rounding) to `naive_logprobs`, without the `[B, T, V]`
@@ -57,6 +68,9 @@ def chunked_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
     chunk_size: vocabulary columns per chunk (static). Peak temporary memory is a few
       [B*T, chunk_size] fp32 arrays.
     precision: optional `jax.lax.Precision` for the matmuls.
+    mesh: a (data, fsdp, tensor) Mesh to compute on per shard (module doc); default the mesh
+      `rljax.sharding.activate` put in scope, if any. Rows are split over the batch axes that
+      divide B, vocabulary columns over `tensor` when it divides V.
 
   Returns:
     lp: [B, T] float32; ent: [B, T] float32.
@@ -75,6 +89,11 @@ def chunked_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
   if int(chunk_size) < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}.")
   b, t, d = hidden.shape
+  if mesh is None:
+    from rljax.sharding import active_mesh
+    mesh = active_mesh()
+  if mesh is not None and mesh.size > 1:
+    return _sharded_logprobs(hidden, lm_head, targets, 1.0 / temperature, int(chunk_size), precision, mesh)
   chunk = min(int(chunk_size), lm_head.shape[1])
   # Under explicit sharding the vocabulary loop needs the whole kernel on every device.
   lm_head = replicate(lm_head)
@@ -97,12 +116,15 @@ def _chunk(h, w, i, inv_temp, chunk, precision):
   return z, cols, cols >= i * chunk, w_c, start
 
 
-def _forward(h, w, y, inv_temp, chunk, precision):
-  """Online log-sum-exp over chunks: returns lp [N], ent [N], lse [N]."""
+def _forward_stats(h, w, y, inv_temp, chunk, precision):
+  """Online log-sum-exp over the chunks of w's columns: (m, s, u, zt), each [N] float32.
+
+  m: max logit; s: sum exp(z - m); u: sum exp(z - m) (z - m); zt: the target's logit, 0 for
+  rows whose target is not among w's columns (y outside [0, V)).
+  """
   num_chunks = math.ceil(w.shape[1] / chunk)
 
   def body(carry, i):
-    # m: running max; s: sum exp(z - m); u: sum exp(z - m) (z - m); zt: target logit.
     m, s, u, zt = carry
     z, cols, fresh, _, _ = _chunk(h, w, i, inv_temp, chunk, precision)
     z = jnp.where(fresh, z, -jnp.inf)
@@ -121,29 +143,28 @@ def _forward(h, w, y, inv_temp, chunk, precision):
   zero = jnp.zeros_like(h[:, 0], dtype=_F32)
   init = (zero - jnp.inf, zero, zero, zero)
   (m, s, u, zt), _ = lax.scan(body, init, jnp.arange(num_chunks))
+  return m, s, u, zt
+
+
+def _finish(m, s, u, zt):
+  """lp, ent, lse [N] from the log-sum-exp statistics."""
   log_s = jnp.log(s)
   lse = m + log_s
   return zt - lse, log_s - u / s, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _lp_ent(h, w, y, inv_temp, chunk, precision):
-  """h [N, D], w [D, V], y [N] -> (lp [N], ent [N]) float32."""
-  lp, ent, _ = _forward(h, w, y, inv_temp, chunk, precision)
-  return lp, ent
+def _forward(h, w, y, inv_temp, chunk, precision):
+  """lp [N], ent [N], lse [N] over all of w's columns."""
+  return _finish(*_forward_stats(h, w, y, inv_temp, chunk, precision))
 
 
-def _lp_ent_fwd(h, w, y, inv_temp, chunk, precision):
-  lp, ent, lse = _forward(h, w, y, inv_temp, chunk, precision)
-  return (lp, ent), (h, w, y, lse, ent)
+def _backward(h, w, y, lse, ent, g_lp, g_ent, inv_temp, chunk, precision, w_sharding=None):
+  """Recomputes each chunk's logits; d lp/dz = onehot - p, d ent/dz = -p (log p + ent).
 
-
-def _lp_ent_bwd(inv_temp, chunk, precision, res, cts):
-  """Recomputes each chunk's logits; d lp/dz = onehot - p, d ent/dz = -p (log p + ent)."""
-  h, w, y, lse, ent = res
-  g_lp, g_ent = cts
+  Returns dh [N, D] float32 and dw like w. `lse` and `ent` are over the whole vocabulary, so w
+  may be one shard of its columns (y then holds shard-local column ids).
+  """
   num_chunks = math.ceil(w.shape[1] / chunk)
-  w_sharding = replicated_sharding(w)  # the sum over (sharded) tokens gives a replicated dW
 
   def body(carry, i):
     dh, dw = carry
@@ -164,7 +185,114 @@ def _lp_ent_bwd(inv_temp, chunk, precision, res, cts):
 
   init = (jnp.zeros_like(h, dtype=_F32), jnp.zeros_like(w))
   (dh, dw), _ = lax.scan(body, init, jnp.arange(num_chunks))
+  return dh, dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _lp_ent(h, w, y, inv_temp, chunk, precision):
+  """h [N, D], w [D, V], y [N] -> (lp [N], ent [N]) float32."""
+  lp, ent, _ = _forward(h, w, y, inv_temp, chunk, precision)
+  return lp, ent
+
+
+def _lp_ent_fwd(h, w, y, inv_temp, chunk, precision):
+  lp, ent, lse = _forward(h, w, y, inv_temp, chunk, precision)
+  return (lp, ent), (h, w, y, lse, ent)
+
+
+def _lp_ent_bwd(inv_temp, chunk, precision, res, cts):
+  h, w, y, lse, ent = res
+  g_lp, g_ent = cts
+  # Under explicit sharding the sum over (sharded) tokens gives a replicated dW.
+  dh, dw = _backward(h, w, y, lse, ent, g_lp, g_ent, inv_temp, chunk, precision, replicated_sharding(w))
   return dh.astype(h.dtype), dw, None
 
 
 _lp_ent.defvjp(_lp_ent_fwd, _lp_ent_bwd)
+
+
+# ---- per shard, on a mesh ----------------------------------------------------------------------
+
+
+def _layout(mesh, b: int, v: int):
+  """(row axes, vocab axis): the batch axes that divide B, and `tensor` when it divides V."""
+  from rljax.sharding import logical_to_spec
+  rows = logical_to_spec(("batch",), (b,), mesh)[0]
+  rows = () if rows is None else ((rows,) if isinstance(rows, str) else tuple(rows))
+  tp = mesh.shape.get("tensor", 1)
+  vocab = "tensor" if tp > 1 and v % tp == 0 else None
+  return rows, vocab
+
+
+def _sharded_logprobs(hidden, lm_head, targets, inv_temp, chunk_size, precision, mesh):
+  """chunked_logprobs per shard of `mesh` (module doc). hidden [B, T, D] -> lp, ent [B, T]."""
+  b, t, d = hidden.shape
+  rows, vocab = _layout(mesh, b, lm_head.shape[1])
+  local_v = lm_head.shape[1] // (mesh.shape[vocab] if vocab else 1)
+  chunk = min(chunk_size, local_v)
+  lp, ent = _sharded_lp_ent(hidden.reshape(b * t, d), lm_head, targets.reshape(b * t).astype(jnp.int32),
+                            (inv_temp, chunk, precision, mesh, rows, vocab))
+  return lp.reshape(b, t), ent.reshape(b, t)
+
+
+def _specs(static):
+  from jax.sharding import PartitionSpec as P
+  _, _, _, _, rows, vocab = static
+  r = rows if rows else None
+  return P(r, None), P(None, vocab), P(r)
+
+
+def _local_forward(static, h, w, y):
+  """One shard: its rows against its vocabulary columns, then the statistics combined over `tensor`."""
+  inv_temp, chunk, precision, _, _, vocab = static
+  offset = lax.axis_index(vocab) * w.shape[1] if vocab else 0
+  m, s, u, zt = _forward_stats(h, w, y - offset, inv_temp, chunk, precision)
+  if vocab:
+    m_all = lax.pmax(m, vocab)
+    scale = jnp.exp(m - m_all)
+    s, u = lax.psum(s * scale, vocab), lax.psum(scale * (u + s * (m - m_all)), vocab)
+    zt, m = lax.psum(zt, vocab), m_all
+  return _finish(m, s, u, zt)
+
+
+def _sharded_forward(static, h, w, y):
+  hs, ws, ys = _specs(static)
+  # check_vma=False: the loop carries start from h's rows and take in w's vocabulary shard; the
+  # outputs are replicated over `tensor` by the psums above, as out_specs say.
+  return jax.shard_map(functools.partial(_local_forward, static), mesh=static[3], in_specs=(hs, ws, ys),
+                       out_specs=(ys, ys, ys), check_vma=False)(h, w, y)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sharded_lp_ent(h, w, y, static):
+  """h [N, D], w [D, V], y [N] -> (lp [N], ent [N]) float32, per shard of static's mesh."""
+  lp, ent, _ = _sharded_forward(static, h, w, y)
+  return lp, ent
+
+
+def _sharded_fwd(h, w, y, static):
+  lp, ent, lse = _sharded_forward(static, h, w, y)
+  return (lp, ent), (h, w, y, lse, ent)
+
+
+def _sharded_bwd(static, res, cts):
+  inv_temp, chunk, precision, mesh, rows, vocab = static
+  h, w, y, lse, ent = res
+  g_lp, g_ent = cts
+  hs, ws, ys = _specs(static)
+
+  def local(h, w, y, lse, ent, g_lp, g_ent):
+    offset = lax.axis_index(vocab) * w.shape[1] if vocab else 0
+    dh, dw = _backward(h, w, y - offset, lse, ent, g_lp, g_ent, inv_temp, chunk, precision)
+    if vocab:
+      dh = lax.psum(dh, vocab)      # each vocabulary shard's part of dh
+    if rows:
+      dw = lax.psum(dw, rows)       # each row shard's part of dW
+    return dh.astype(h.dtype), dw
+
+  dh, dw = jax.shard_map(local, mesh=mesh, in_specs=(hs, ws, ys, ys, ys, ys, ys), out_specs=(hs, ws),
+                         check_vma=False)(h, w, y, lse, ent, g_lp, g_ent)
+  return dh, dw, None
+
+
+_sharded_lp_ent.defvjp(_sharded_fwd, _sharded_bwd)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from rljax import compile_stats
 from rljax import config as config_lib
 from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
@@ -34,8 +35,11 @@ class DataExhausted(TrainingStopped):
   """The training data ran out before train.steps; a checkpoint of the last step is saved first."""
 
 
-def load_policy(model_cfg, tokenizer_path: str = "") -> Policy:
-  """The policy named by config.model: pretrained weights, or a random model for tests."""
+def load_policy(model_cfg, tokenizer_path: str = "", mesh=None) -> Policy:
+  """The policy named by config.model: pretrained weights, or a random model for tests.
+
+  With `mesh` the parameters are created sharded: each process reads only the checkpoint slices
+  its devices hold (rljax/models/io.py), and no device ever holds the whole model."""
   from rljax.models.config import ModelConfig
   if model_cfg.path == "random":
     from rljax.tokenizer import load_tokenizer
@@ -50,9 +54,11 @@ def load_policy(model_cfg, tokenizer_path: str = "") -> Policy:
                      eos_token_ids=(tok.eos_id,) if tok is not None and tok.eos_id is not None else (),
                      dtype=model_cfg.dtype, remat=model_cfg.remat, attention=model_cfg.attention,
                      max_position_embeddings=config_lib.RANDOM_MODEL_CONTEXT)
-    return Policy(mc, init_params(mc, jax.random.key(r.seed)), tokenizer=tok, source="random")
+    init = init_params if mesh is None else jax.jit(init_params, static_argnums=0,
+                                                    out_shardings=param_shardings(mc, mesh))
+    return Policy(mc, init(mc, jax.random.key(r.seed)), tokenizer=tok, source="random")
   from rljax.models.io import load_pretrained
-  policy = load_pretrained(model_cfg.path)
+  policy = load_pretrained(model_cfg.path, mesh=mesh)
   policy = dataclasses.replace(policy, config=policy.config.replace(dtype=model_cfg.dtype, remat=model_cfg.remat,
                                                                           attention=model_cfg.attention))
   if tokenizer_path:
@@ -85,8 +91,9 @@ class PromptFeed:
   saves, so a resume draws the next batch.
   """
 
-  def __init__(self, batcher):
+  def __init__(self, batcher, pad_id: int = 0):
     self.batcher = batcher
+    self.pad_id = pad_id
     self._batches = iter(batcher)
 
   def restore(self, data_state: dict) -> None:
@@ -104,13 +111,20 @@ class PromptFeed:
   def next(self, sharding):
     from rljax.trainer.rollouts import Prompts
     batch, data_state = self.next_host()
-    ids = jax.make_array_from_process_local_data(sharding, np.asarray(batch.prompt_ids, np.int32))
-    mask = jax.make_array_from_process_local_data(sharding, np.asarray(batch.prompt_mask, bool))
+    ids, mask = np.asarray(batch.prompt_ids, np.int32), np.asarray(batch.prompt_mask, bool)
+    if jax.process_count() > 1:
+      # Each process pads its own prompts; the global array needs one width: the widest bucket.
+      width = max(shd.allgather_objects(ids.shape[1]))
+      left = ((0, 0), (width - ids.shape[1], 0))
+      ids, mask = np.pad(ids, left, constant_values=self.pad_id), np.pad(mask, left)
+    ids = jax.make_array_from_process_local_data(sharding, ids)
+    mask = jax.make_array_from_process_local_data(sharding, mask)
     return Prompts(list(batch.examples), ids, mask, data_state)
 
 
 # Namespaces of the metrics the host adds to the update's device metrics; a name in both is a bug.
-HOST_NAMESPACES = ("reward/", "verifier/", "info/", "time/", "throughput/", "perf/", "data/", "rollout/", "tools/")
+HOST_NAMESPACES = ("reward/", "verifier/", "info/", "time/", "throughput/", "perf/", "data/", "rollout/", "tools/",
+                   "compile/")
 
 
 class Trainer:
@@ -131,6 +145,9 @@ class Trainer:
     rundir.check_resume(config, self.out_dir, overwrite=not config.checkpoint.resume, allow_finished=True)
     os.makedirs(self.out_dir, exist_ok=True)
     shd.maybe_initialize_distributed(config.mesh.distributed or None)
+    compile_stats.install()
+    if config.compile.cache_dir:
+      compile_stats.enable_persistent_cache(config.compile.cache_dir)
     if config.rollout.mode != "fused" and jax.process_count() > 1:
       raise ConfigError(f"config.rollout.mode={config.rollout.mode!r} runs in one process for now; multi-process "
                         "runs use rollout.mode='fused'.")
@@ -138,7 +155,7 @@ class Trainer:
     learner_devices, generator_devices = split_devices(config)
     self.mesh = shd.make_mesh(tuple(config.mesh.shape), devices=learner_devices)
     self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
-    policy = load_policy(config.model, config.tokenizer)
+    policy = load_policy(config.model, config.tokenizer, mesh=self.mesh)
     self.model_config, self.tokenizer = policy.config, policy.tokenizer
     config_lib.check_model_fits(config, self.model_config.max_position_embeddings)
     self.loss_cfg = config_lib.loss_config(config)
@@ -210,7 +227,7 @@ class Trainer:
     self.batcher = PromptBatcher(self.train_data, self.tokenizer,
                                  prompts_per_batch=local_prompts,
                                  max_prompt_tokens=c.data.max_prompt_tokens, tools=self.prompt_tools)
-    self.feed = PromptFeed(self.batcher)
+    self.feed = PromptFeed(self.batcher, pad_id=int(self.tokenizer.pad_id or 0))
     self.data_state = self.batcher.state()   # of the last batch trained on: what a checkpoint saves
     self.eval_data = None
     if c.eval.every or c.eval.before_and_after:
@@ -272,6 +289,8 @@ class Trainer:
     host.update({f"time/{phase}": s for phase, s in out.phases.items()})
     host["throughput/tokens_per_s"] = m["sampler/tokens"] / max(out.seconds, 1e-9)
     host["data/filtered_too_long"] = float(self.batcher.stats().get("filtered_too_long", 0))
+    compiled = compile_stats.counts()   # every XLA compilation of the process: a few per prompt-width bucket
+    host["compile/programs"], host["compile/seconds"] = compiled["compiles"], compiled["compile_seconds"]
     clash = sorted(set(m) & set(host))
     if clash or any(k.startswith(HOST_NAMESPACES) for k in m):
       raise RljaxError(f"metrics {clash or [k for k in m if k.startswith(HOST_NAMESPACES)]} are computed on both "

@@ -38,6 +38,7 @@ import numpy as np
 
 from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
+from rljax.rewards.callback import local_indices
 from rljax.rollout import Rollout
 from rljax.trainer.state import TrainState
 from rljax.trainer.step import jit_train_step, make_generate_fn, make_train_step, make_update_fn
@@ -213,9 +214,10 @@ class FusedRollouts:
     scorer = self.ctx.scorer
     t0 = time.perf_counter()
     prompts = feed.next(self.batch_sharding)
-    # The callback scores the whole gathered batch, so it needs every process's examples.
-    examples = [e for part in shd.allgather_objects(prompts.examples) for e in part]
-    scorer.reward_fn.set_batch(examples, step=self.index)
+    # Each process scores the rows its own devices hold: it gets its own examples and their
+    # global prompt indices (rljax/rewards/callback.py).
+    scorer.reward_fn.set_batch(prompts.examples, step=self.index,
+                               indices=local_indices(prompts.ids.sharding, prompts.ids.shape))
     state, metrics = self.train_step(state, prompts.ids, prompts.mask)
     metrics = jax.device_get(metrics)
     t1 = time.perf_counter()
@@ -225,7 +227,7 @@ class FusedRollouts:
     if timing:
       phases = {"sample": max(timing["start"] - t0, 0.0), "score": timing["end"] - timing["start"],
                 "update": max(t1 - timing["end"], 0.0)}
-    return state, StepOutput(metrics, scorer.reward_fn.last_metrics(), t1 - t0, phases, prompts.width,
+    return state, StepOutput(metrics, scorer.reward_fn.global_metrics(), t1 - t0, phases, prompts.width,
                              prompts.data_state)
 
   def close(self) -> None:
