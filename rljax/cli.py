@@ -203,7 +203,7 @@ def cmd_config(argv: Sequence[str]) -> int:
   source = path or ("rljax.config.base_config() + gin" if gin_files else
                     "the embedded default, configs/default.py")
   print(f"# rljax config of {source}; `(default X)` marks a value that differs from rljax.config.base_config().")
-  print(f"# Override any field with --config.FIELD=VALUE (or a gin binding `FIELD = VALUE`).\n")
+  print("# Override any field with --config.FIELD=VALUE (or a gin binding `FIELD = VALUE`).\n")
   print(config_lib.describe_fields(cfg), end="")
   try:
     config_lib.validate(cfg)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-from typing import Any
 
 import ml_collections
 
@@ -552,7 +551,7 @@ def field_help() -> dict[str, str]:
     else:
       current = None
   for f in dataclasses.fields(LossConfig):
-    out[f"rl.{f.name}"] = (doc.get(f.name, "") + f" (None: the preset's value)").strip()
+    out[f"rl.{f.name}"] = (doc.get(f.name, "") + " (None: the preset's value)").strip()
   out["rl.preset"] = "the loss recipe: " + ", ".join(sorted(_presets())) + " (docs/loss.md)"
   return out
 

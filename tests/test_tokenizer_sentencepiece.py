@@ -3,7 +3,6 @@
 The reference is sentencepiece itself, on tiny models trained here in-process.
 """
 import json
-import os
 import random
 
 import pytest

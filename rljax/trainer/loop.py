@@ -5,7 +5,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from typing import Any
 
 import jax

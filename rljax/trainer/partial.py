@@ -30,7 +30,7 @@ import numpy as np
 from rljax import sharding as shd
 from rljax.multiturn import FEED_BUCKET, TurnParams, new_state, reprefill, segment
 from rljax.rollout import Rollout
-from rljax.trainer.rollouts import Batch, Decoupled, RunContext, split_key
+from rljax.trainer.rollouts import Batch, Decoupled, RunContext, StepOutput, split_key
 from rljax.trainer.state import TrainState
 
 
@@ -161,7 +161,7 @@ class PartialRollouts(Decoupled):
 
   # ---- the step ----------------------------------------------------------------------------
 
-  def step(self, state: TrainState, feed) -> tuple[TrainState, "StepOutput"]:
+  def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
     t0 = time.perf_counter()
     self._fill(feed)
     self.rng, key = split_key(self.rng)
