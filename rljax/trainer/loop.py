@@ -289,7 +289,7 @@ class Trainer:
     host["throughput/tokens_per_s"] = m["sampler/tokens"] / max(out.seconds, 1e-9)
     host["data/filtered_too_long"] = float(self.batcher.stats().get("filtered_too_long", 0))
     compiled = compile_stats.counts()   # every XLA compilation of the process: a few per prompt-width bucket
-    host["compile/programs"], host["compile/seconds"] = compiled["compiles"], compiled["compile_seconds"]
+    host["compile/count"], host["compile/seconds"] = compiled["compiles"], compiled["compile_seconds"]
     clash = sorted(set(m) & set(host))
     if clash or any(k.startswith(HOST_NAMESPACES) for k in m):
       raise RljaxError(f"metrics {clash or [k for k in m if k.startswith(HOST_NAMESPACES)]} are computed on both "
