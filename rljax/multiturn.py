@@ -7,9 +7,10 @@ trajectory cache slots per row, W = the widest feed of a round, V vocab.
 A trajectory is the row's tokens after its prompt, in order: model turns, tool responses,
 model turns, ... `ToolRollout.run` builds B of them:
 
-1. start: every prompt is prefilled once (`sampling.prefill`, as in `sampling.sample`); its G
+1. start: every prompt is prefilled once (`decode.prefill`, as in `sampling.sample`); its G
    rows share that prompt cache, read-only, and each row gets its own trajectory cache; each
-   row samples its first token.
+   row samples its first token. Every token is chosen by `decode.choose`, as in the sampler;
+   the state (`TurnState`) is the sampler's `DecodeState` plus the turn bookkeeping.
 2. segment (compiled `lax.while_loop`): one token per live row per step. A row pauses when it
    completes a tool call (the format's end marker, or the fence closing a ```python block), stops on a stop
    id, or is done when its trajectory is T tokens long. A segment ends when no row is still
@@ -26,6 +27,8 @@ model turns, ... `ToolRollout.run` builds B of them:
 Sampling key k (the k-th segment step or feed, counted over the whole call) is
 fold_in(rng, k); feeding a row nothing but its pending token gives it exactly the token the
 next decode step would, so the schedule of rounds does not change any row's distribution.
+`ToolRollout.run` returns `Trajectories`: host arrays, and on device the `rljax.rollout.Rollout`
+the learner trains on.
 
 The trajectory cache is a timeline shared by the rows: a decode step takes one slot of every
 row and a feed takes W; slots a row does not use (it was paused or done, or its response was
@@ -47,12 +50,16 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
+from rljax.decode import (DecodeState, SamplingParams, choose, decode_step, empty_caches, forward_cached, isin,
+                          pad_token_id, prefill, split_cache, split_layers)
 from rljax.errors import ConfigError
 from rljax.models.config import ModelConfig
 from rljax.models.transformer import Transformer
-from rljax.sampling import (SamplingParams, _isin, _split_layers, check_lengths, decode_step, empty_caches,
-                            forward_cached, prefill, sample_logits, split_cache)
+from rljax.padding import left_pad
+from rljax.rollout import Rollout
+from rljax.sampling import check_lengths
 
 FEED_BUCKET = 16          # feed widths are rounded up to a multiple of this (fewer compiled shapes)
 
@@ -109,53 +116,86 @@ def _suffix_match(buf, n, variants):
   return hit
 
 
-def _put_rows(buf, col, values, where):
-  """buf[b, col[b]] = values[b] where `where[b]` (out-of-range columns are dropped)."""
-  col = jnp.where(where, col, buf.shape[1])
-  return buf.at[jnp.arange(buf.shape[0]), col].set(values.astype(buf.dtype), mode="drop")
+@struct.dataclass
+class TurnState(DecodeState):
+  """The rollout state: the trajectories ([B, T] `DecodeState` fields: `mask` marks the model's
+  tokens), the turn bookkeeping and the caches.
+
+  tool_mask: [B, T] bool, tool-response tokens (context the model reads, not trained on).
+  n: [B] int32, trajectory lengths (the column of the next token).
+  paused: [B] bool, the row completed a tool call and waits for the host.
+  fences: [B] int32, ``` fences seen (formats whose call opens and closes with one marker).
+  count: [] int32, choices made; the k-th is drawn with key fold_in(rng, k).
+  forced, forced_len, forced_pos: [B, F] int32 / [B] / [B], this turn's forced tokens and how many
+    were taken (None without tp.forced_width).
+  ks, vs, kv_mask, index, pos: the trajectory caches (L arrays [B, K, Dh, S] / [B, K, S, Dh],
+    mask [B, S]), the next slot [] int32 and each row's next position [B] (None before a prefill).
+  prefix: the prompt cache (ks [P, ...], vs [P, ...], mask [P, Lp]) that the G rows of each
+    prompt read, never copy; None once `reprefill` put each row's prompt into its own cache.
+  """
+  tool_mask: jax.Array
+  n: jax.Array
+  paused: jax.Array
+  fences: jax.Array
+  count: jax.Array
+  forced: Any = None
+  forced_len: Any = None
+  forced_pos: Any = None
+  ks: Any = None
+  vs: Any = None
+  kv_mask: Any = None
+  index: Any = None
+  pos: Any = None
+  prefix: Any = None
+
+  @property
+  def context_mask(self) -> jax.Array:
+    """[B, T] bool, every trajectory token (the model's and the tools')."""
+    return self.mask | self.tool_mask
 
 
-def _choose(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, state, logits, live, rng):
-  """Samples the next token of the `live` rows, appends it to their trajectories, sets flags."""
-  b, t_max = state["tok"].shape
-  tok, lp, ent = sample_logits(logits, sp, jax.random.fold_in(rng, state["count"]))
+def new_state(config: ModelConfig, sp: SamplingParams, tp: TurnParams, b: int, forced=None,
+              forced_len=None) -> TurnState:
+  """B empty trajectories of sp.max_new_tokens columns, without caches (`start` or `reprefill` adds them).
+
+  A caller resuming trajectories (partial rollouts) replaces tokens / mask / logprobs / entropy /
+  n / done / stopped, then calls `reprefill`.
+  """
+  t = sp.max_new_tokens
+  forcing = {}
   if tp.forced_width:
-    fpos = state["forced_pos"]
-    forced = live & (fpos < state["forced_len"])
-    ftok = jnp.take_along_axis(state["forced"], jnp.minimum(fpos, tp.forced_width - 1)[:, None], axis=1)[:, 0]
-    scaled = logits.astype(jnp.float32) / sp.logprob_temperature
-    flp = jnp.take_along_axis(scaled, ftok[:, None], axis=1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
-    tok, lp = jnp.where(forced, ftok, tok), jnp.where(forced, flp, lp)
-    state = dict(state, forced_pos=fpos + forced)
-  n = state["n"]
-  state = dict(state, tok=_put_rows(state["tok"], n, tok, live), model=_put_rows(state["model"], n, live, live),
-               ctx=_put_rows(state["ctx"], n, live, live), lp=_put_rows(state["lp"], n, lp, live),
-               ent=_put_rows(state["ent"], n, ent, live), count=state["count"] + 1)
-  n = n + live
-  stop = live & _isin(tok, stop_ids)
-  fences = state["fences"]
+    forcing = dict(forced=forced, forced_len=forced_len, forced_pos=jnp.zeros((b,), jnp.int32))
+  return TurnState.empty(b, t, pad_token_id(config), tool_mask=jnp.zeros((b, t), bool),
+                         n=jnp.zeros((b,), jnp.int32), paused=jnp.zeros((b,), bool),
+                         fences=jnp.zeros((b,), jnp.int32), count=jnp.zeros((), jnp.int32), **forcing)
+
+
+def _choose(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, state: TurnState, logits, live, rng):
+  """`decode.choose` for the `live` rows at their trajectory ends, then the turn flags: a row
+  pauses on a completed tool call and is done when its trajectory is full."""
+  t_max = state.tokens.shape[1]
+  forced = None
+  if tp.forced_width:
+    fpos = state.forced_pos
+    use = live & (fpos < state.forced_len)
+    ftok = jnp.take_along_axis(state.forced, jnp.minimum(fpos, tp.forced_width - 1)[:, None], axis=1)[:, 0]
+    forced = (use, ftok)
+    state = state.replace(forced_pos=fpos + use)
+  before = state.stopped
+  key = jax.random.fold_in(rng, state.count)
+  state, tok = choose(state, logits, state.n, sp, key, stop_ids, pad_token_id(config), live=live, forced=forced)
+  stop = state.stopped & ~before
+  n = state.n + live
+  fences = state.fences
   if tp.fence_ids:
-    fence = live & _isin(tok, tp.fence_ids)
+    fence = live & isin(tok, tp.fence_ids)
     fences = fences + fence
     end = fence & (fences % 2 == 0)
   else:
-    end = live & _suffix_match(state["tok"], n, tp.end_ids)
+    end = live & _suffix_match(state.tokens, n, tp.end_ids)
   full = live & (n >= t_max)
-  return dict(state, n=n, stopped=state["stopped"] | stop, done=state["done"] | stop | full,
-              paused=state["paused"] | (end & ~stop & ~full), fences=fences)
-
-
-def _new_state(config: ModelConfig, sp: SamplingParams, tp: TurnParams, b: int, forced, forced_len):
-  t = sp.max_new_tokens
-  pad = 0 if config.pad_token_id is None else int(config.pad_token_id)
-  zeros = lambda dtype: jnp.zeros((b, t), dtype)
-  state = dict(tok=jnp.full((b, t), pad, jnp.int32), model=zeros(bool), ctx=zeros(bool), lp=zeros(jnp.float32),
-               ent=zeros(jnp.float32), n=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
-               stopped=jnp.zeros((b,), bool), paused=jnp.zeros((b,), bool), fences=jnp.zeros((b,), jnp.int32),
-               count=jnp.zeros((), jnp.int32))
-  if tp.forced_width:
-    state.update(forced=forced, forced_len=forced_len, forced_pos=jnp.zeros((b,), jnp.int32))
-  return state
+  return state.replace(n=n, count=state.count + 1, done=state.done | full, paused=state.paused | (end & ~stop & ~full),
+                       fences=fences)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sp", "tp", "stop_ids"))
@@ -165,42 +205,39 @@ def start(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, par
   first token.
 
   prompt_ids, prompt_mask: [P, Lp]; forced [B, F] int32 / forced_len [B] when tp.forced_width.
-  Returns the rollout state (a dict of device arrays, see `_new_state`, plus the per-layer
-  trajectory caches ks / vs, kv_mask [B, S], index [], pos [B], and the prompt cache `prefix`
-  (ks [P, ...], vs [P, ...], mask [P, Lp]) that the G rows of each prompt read, never copy).
+  Returns the rollout state, a `TurnState` with its trajectory caches and the prompt cache.
   """
   g = sp.num_samples
   fan = lambda x: jnp.repeat(x, g, axis=0, total_repeat_length=x.shape[0] * g)
   cache, logits = prefill(config, params, prompt_ids, prompt_mask, prompt_ids.shape[1])
   b, slots = prompt_ids.shape[0] * g, tp.cache_slots(sp)
-  state = _new_state(config, sp, tp, b, forced, forced_len)
   pos = fan(jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32))
   ks, vs, kv_mask = empty_caches(config, b, slots)
-  state.update(ks=ks, vs=vs, kv_mask=kv_mask, index=jnp.zeros((), jnp.int32), pos=pos,
-               prefix=(*split_cache(config, cache), cache.kv_mask))
   live = pos > 0
-  state["done"] = ~live
+  state = new_state(config, sp, tp, b, forced, forced_len).replace(
+      ks=ks, vs=vs, kv_mask=kv_mask, index=jnp.zeros((), jnp.int32), pos=pos,
+      prefix=(*split_cache(config, cache), cache.kv_mask), done=~live)
   return _choose(config, sp, tp, stop_ids, state, fan(logits), live, rng)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sp", "tp", "stop_ids"), donate_argnames=("state",))
 def segment(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, params, state, rng):
   """Decodes at most tp.segment_tokens steps, until no row is live and unpaused or slots run out."""
-  layer_params = _split_layers(params["layers"], config.num_layers)
-  slots = state["kv_mask"].shape[1]
-  decoding = lambda s: ~s["done"] & ~s["paused"]
+  layer_params = split_layers(params["layers"], config.num_layers)
+  slots = state.kv_mask.shape[1]
+  decoding = lambda s: ~s.done & ~s.paused
 
   def cond(carry):
     step, s = carry
-    return (step < tp.segment_tokens) & jnp.any(decoding(s)) & (s["index"] < slots)
+    return (step < tp.segment_tokens) & jnp.any(decoding(s)) & (s.index < slots)
 
   def body(carry):
     step, s = carry
     live = decoding(s)
-    pending = jnp.take_along_axis(s["tok"], jnp.maximum(s["n"] - 1, 0)[:, None], axis=1)[:, 0]
-    logits, ks, vs, kv_mask = decode_step(config, params, layer_params, pending, s["pos"], live, s["ks"], s["vs"],
-                                          s["kv_mask"], s["index"], s.get("prefix"))
-    s = dict(s, ks=ks, vs=vs, kv_mask=kv_mask, index=s["index"] + 1, pos=s["pos"] + live)
+    pending = jnp.take_along_axis(s.tokens, jnp.maximum(s.n - 1, 0)[:, None], axis=1)[:, 0]
+    logits, ks, vs, kv_mask = decode_step(config, params, layer_params, pending, s.pos, live, s.ks, s.vs, s.kv_mask,
+                                          s.index, s.prefix)
+    s = s.replace(ks=ks, vs=vs, kv_mask=kv_mask, index=s.index + 1, pos=s.pos + live)
     return step + 1, _choose(config, sp, tp, stop_ids, s, logits, live, rng)
 
   return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
@@ -216,29 +253,29 @@ def feed(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, para
   limit). The responses are appended to the trajectories as context (not model) tokens. With
   tp.forced_width, rows in new_turn [B] bool get the forced tokens forced [B, F] / forced_len [B].
   """
-  layer_params = _split_layers(params["layers"], config.num_layers)
+  layer_params = split_layers(params["layers"], config.num_layers)
   b, w = tokens.shape
-  t_max = state["tok"].shape[1]
-  done = state["done"] | finish
+  t_max = state.tokens.shape[1]
+  done = state.done | finish
   feeding = ~done & (lengths > 0)
   lengths = jnp.where(feeding, lengths, 0)
   # Response tokens (columns 1..) go into the trajectory after the pending token.
-  n = state["n"]
+  n = state.n
   resp = jnp.arange(1, w)[None, :] < lengths[:, None]                # [B, W-1]
   cols = jnp.where(resp, n[:, None] + jnp.arange(w - 1)[None, :], t_max)
   rows = jnp.arange(b)[:, None]
-  tok = state["tok"].at[rows, cols].set(tokens[:, 1:], mode="drop")
-  ctx = state["ctx"].at[rows, cols].set(True, mode="drop")
+  tok = state.tokens.at[rows, cols].set(tokens[:, 1:], mode="drop")
+  tool_mask = state.tool_mask.at[rows, cols].set(True, mode="drop")
   n = n + jnp.maximum(lengths - 1, 0)
   mask = jnp.arange(w)[None, :] < lengths[:, None]
-  positions = state["pos"][:, None] + jnp.arange(w)[None, :]
-  hidden, ks, vs, kv_mask = forward_cached(config, params, layer_params, tokens, positions, mask, state["ks"],
-                                           state["vs"], state["kv_mask"], state["index"], state.get("prefix"))
+  positions = state.pos[:, None] + jnp.arange(w)[None, :]
+  hidden, ks, vs, kv_mask = forward_cached(config, params, layer_params, tokens, positions, mask, state.ks, state.vs,
+                                           state.kv_mask, state.index, state.prefix)
   last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
   logits = Transformer(config).apply({"params": params}, last, method=Transformer.hidden_to_logits)
   full = feeding & (n >= t_max)
-  state = dict(state, tok=tok, ctx=ctx, n=n, ks=ks, vs=vs, kv_mask=kv_mask, index=state["index"] + w,
-               pos=state["pos"] + lengths, done=done | full, paused=jnp.zeros_like(done))
+  state = state.replace(tokens=tok, tool_mask=tool_mask, n=n, ks=ks, vs=vs, kv_mask=kv_mask, index=state.index + w,
+                        pos=state.pos + lengths, done=done | full, paused=jnp.zeros_like(done))
   if tp.forced_width:
     state = _new_turn_forcing(state, forced, forced_len, new_turn)
   return _choose(config, sp, tp, stop_ids, state, logits, feeding & ~full, rng)
@@ -246,9 +283,9 @@ def feed(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids, para
 
 def _new_turn_forcing(state, forced, forced_len, new_turn):
   """Rows starting a new model turn take their forced tokens; the others keep their own."""
-  return dict(state, forced=jnp.where(new_turn[:, None], forced, state["forced"]),
-              forced_len=jnp.where(new_turn, forced_len, state["forced_len"]),
-              forced_pos=jnp.where(new_turn, 0, state["forced_pos"]))
+  return state.replace(forced=jnp.where(new_turn[:, None], forced, state.forced),
+                       forced_len=jnp.where(new_turn, forced_len, state.forced_len),
+                       forced_pos=jnp.where(new_turn, 0, state.forced_pos))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sp", "tp", "stop_ids", "slots"))
@@ -261,10 +298,10 @@ def reprefill(config: ModelConfig, sp: SamplingParams, tp: TurnParams, stop_ids,
   """
   cache, logits = prefill(config, params, history, history_mask, history.shape[1] + slots)
   ks, vs = split_cache(config, cache)
-  live = ~state["done"]
-  state = {k: v for k, v in state.items() if k != "prefix"}   # each row's cache now holds its prompt
-  state = dict(state, ks=ks, vs=vs, kv_mask=cache.kv_mask, index=jnp.asarray(history.shape[1], jnp.int32),
-               pos=jnp.sum(history_mask, axis=-1, dtype=jnp.int32), paused=jnp.zeros_like(live))
+  live = ~state.done
+  # Each row's cache now holds its prompt: no shared prefix.
+  state = state.replace(ks=ks, vs=vs, kv_mask=cache.kv_mask, index=jnp.asarray(history.shape[1], jnp.int32),
+                        pos=jnp.sum(history_mask, axis=-1, dtype=jnp.int32), paused=jnp.zeros_like(live), prefix=None)
   return _choose(config, sp, tp, stop_ids, state, logits, live, rng)
 
 
@@ -335,6 +372,8 @@ class Trajectories:
   lengths: [B] trajectory lengths; truncated: [B] ran out of tokens or slots without stopping;
   turn_limited: [B] ended for asking more than max_turns tool calls.
   turns: [B] tool calls made; tool_errors: [B] calls that returned an error observation.
+  rollout: the trajectories on device as the learner's `Rollout` (prompts repeated for their G
+    rows; `lengths` are trajectory lengths, model and tool tokens, as the verifiers read them).
   """
   tokens: np.ndarray
   model_mask: np.ndarray
@@ -347,7 +386,7 @@ class Trajectories:
   turns: np.ndarray
   tool_errors: np.ndarray
   metrics: dict[str, float]
-  device: dict | None = None          # the same arrays on device (the trainer uses these)
+  rollout: Rollout | None = None      # on device, prompts fanned out to the G rows: what the learner trains on
 
 
 class ToolRollout:
@@ -423,13 +462,13 @@ class ToolRollout:
     while True:
       state = segment(c, sp, tp, self.stop_ids, params, state, rng)
       counts["segments"] += 1
-      n, done, paused, index = jax.device_get((state["n"], state["done"], state["paused"], state["index"]))
+      n, done, paused, index = jax.device_get((state.n, state.done, state.paused, state.index))
       live = ~done
-      if not live.any() or index >= state["kv_mask"].shape[1]:
+      if not live.any() or index >= state.kv_mask.shape[1]:
         break
       if not paused.any():
         continue          # the segment hit its step limit: decode on
-      tok = np.asarray(jax.device_get(state["tok"]))   # the host needs the paused rows' text
+      tok = np.asarray(jax.device_get(state.tokens))   # the host needs the paused rows' text
       # Parse and run the calls of the paused rows.
       from rljax.tools import parse_tool_call
       finish = np.zeros(b, bool)
@@ -482,7 +521,7 @@ class ToolRollout:
         state = self._reprefill(params, state, rng, prompt_ids, prompt_mask, feed_tok, lengths, finish,
                                 next_forced)
       counts["feeds"] += 1
-    return self._finish(state, turn, errors, ended, counts, tool_s, time.perf_counter() - t0)
+    return self._finish(state, prompt_ids, prompt_mask, turn, errors, ended, counts, tool_s, time.perf_counter() - t0)
 
   def _clip(self, text: str) -> str:
     ids = self.tokenizer.encode(text)
@@ -493,38 +532,36 @@ class ToolRollout:
   def _reprefill(self, params, state, rng, prompt_ids, prompt_mask, feed_tok, lengths, finish, forced):
     """The baseline round: append the responses on the host, prefill every row's history afresh."""
     g = self.sp.num_samples
-    tok, n, done = (np.asarray(x) for x in jax.device_get((state["tok"], state["n"], state["done"])))
+    tok, n, done = (np.asarray(x) for x in jax.device_get((state.tokens, state.n, state.done)))
     pids, pmask = np.repeat(np.asarray(prompt_ids), g, 0), np.repeat(np.asarray(prompt_mask), g, 0)
     done = done | finish
     rows = []
     for r in range(tok.shape[0]):
       resp = feed_tok[r, 1:lengths[r]] if lengths[r] else []
       rows.append(list(pids[r][pmask[r]]) + list(tok[r, :n[r]]) + list(resp))
-    width = -(-max(len(x) for x in rows) // FEED_BUCKET) * FEED_BUCKET
-    hist = np.zeros((len(rows), width), np.int32)
-    hmask = np.zeros((len(rows), width), bool)
-    for r, ids in enumerate(rows):
-      hist[r, width - len(ids):], hmask[r, width - len(ids):] = ids, True
-    # The trajectory gets the responses as context tokens, as `feed` does.
+    hist, hmask = left_pad(rows, 0, multiple=FEED_BUCKET)
+    # The trajectory gets the responses as tool tokens, as `feed` does.
     t_max = tok.shape[1]
-    new_tok, ctx = tok.copy(), np.asarray(jax.device_get(state["ctx"])).copy()
+    new_tok, tool = tok.copy(), np.asarray(jax.device_get(state.tool_mask)).copy()
     new_n = n.copy()
     for r in range(tok.shape[0]):
       resp = feed_tok[r, 1:lengths[r]] if lengths[r] and not done[r] else []
-      new_tok[r, n[r]:n[r] + len(resp)], ctx[r, n[r]:n[r] + len(resp)] = resp, True
+      new_tok[r, n[r]:n[r] + len(resp)], tool[r, n[r]:n[r] + len(resp)] = resp, True
       new_n[r] = n[r] + len(resp)
     done = done | (new_n >= t_max)
-    state = dict(state, tok=jnp.asarray(new_tok), ctx=jnp.asarray(ctx), n=jnp.asarray(new_n, jnp.int32),
-                 done=jnp.asarray(done))
+    state = state.replace(tokens=jnp.asarray(new_tok), tool_mask=jnp.asarray(tool), n=jnp.asarray(new_n, jnp.int32),
+                          done=jnp.asarray(done))
     if forced[0] is not None:
       state = _new_turn_forcing(state, *forced)
     slots = self.tp.cache_slots(self.sp)
     return reprefill(self.config, self.sp, self.tp, self.stop_ids, params, state, rng, jnp.asarray(hist),
                      jnp.asarray(hmask), slots=slots)
 
-  def _finish(self, state, turn, errors, ended, counts, tool_s, seconds) -> Trajectories:
-    keys = ("tok", "model", "ctx", "lp", "ent", "n", "stopped")
-    tok, model, ctx, lp, ent, n, stopped = (np.asarray(x) for x in jax.device_get(tuple(state[k] for k in keys)))
+  def _finish(self, state: TurnState, prompt_ids, prompt_mask, turn, errors, ended, counts, tool_s,
+              seconds) -> Trajectories:
+    context = state.context_mask
+    tok, model, ctx, lp, ent, n, stopped = (np.asarray(x) for x in jax.device_get(
+        (state.tokens, state.mask, context, state.logprobs, state.entropy, state.n, state.stopped)))
     truncated = ~stopped & ~ended
     b = tok.shape[0]
     metrics = {
@@ -541,8 +578,11 @@ class ToolRollout:
         "tools/tool_token_fraction": float((ctx & ~model).sum() / max(ctx.sum(), 1)),
         "tools/rollout_seconds": seconds,
     }
-    device = dict(tokens=state["tok"], mask=state["model"], context_mask=state["ctx"], lp_samp=state["lp"],
-                  entropy_samp=state["ent"], lengths=state["n"], truncated=jnp.asarray(truncated))
+    g = self.sp.num_samples
+    fan = lambda x: jnp.repeat(x, g, axis=0, total_repeat_length=x.shape[0] * g)
+    rollout = Rollout(prompt_ids=fan(prompt_ids), prompt_mask=fan(prompt_mask), tokens=state.tokens, mask=state.mask,
+                      context_mask=context, logprobs=state.logprobs, entropy=state.entropy, lengths=state.n,
+                      truncated=jnp.asarray(truncated), group_size=g)
     return Trajectories(tokens=tok, model_mask=model, context_mask=ctx, logprobs=lp, entropy=ent, lengths=n,
                         truncated=truncated, turn_limited=ended, turns=turn, tool_errors=errors, metrics=metrics,
-                        device=device)
+                        rollout=rollout)

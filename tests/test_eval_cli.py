@@ -1,6 +1,7 @@
 """`rljax eval` end to end on the real SmolLM2-135M-Instruct, and evaluation inside training."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -16,8 +17,16 @@ def test_rljax_eval_writes_consistent_metrics_and_per_example_results(tmp_path, 
                   "--max-prompt-tokens", "48", "--prompt-template", "{prompt}\nAnswer with just the number.",
                   "--out", str(out)])
   assert rc == 0
-  printed = capsys.readouterr().out
+  captured = capsys.readouterr()
+  printed = captured.out
   metrics = json.loads(printed[:printed.rindex("}") + 1])
+  # Issue 22: never minutes without a line. It says what it loads and evaluates, counts examples on a
+  # progress bar, and prints the result when it ends (stderr), besides the JSON figures (stdout).
+  assert "rljax eval: loading smollm2-135m-instruct" in captured.err
+  assert "eval arithmetic (test): scoring 4 completions for each of up to 8 held-out examples" in captured.err
+  assert "8/8" in captured.err
+  assert f"eval arithmetic (test): accuracy {100 * metrics['accuracy']:.1f}% +- " in captured.err
+  assert f"accuracy {100 * metrics['accuracy']:.1f}% +- " in printed and f"per-example results: {out}" in printed
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert len(rows) == 8 and metrics["num_examples"] == 8
   assert len({r["prompt"] for r in rows}) == 8            # distinct held-out problems
@@ -40,12 +49,16 @@ def test_eval_rejects_unknown_procedural_settings(tmp_path):
     eval_main(["--data", "arithmetic", "--held-out-fraction", "0.3", "--out", str(tmp_path / "e.jsonl")])
 
 
-def test_eval_every_runs_inside_training_and_reaches_the_metrics(tmp_path):
+def test_eval_every_runs_inside_training_and_reaches_the_metrics(tmp_path, capfd):
   cfg = smoke(tmp_path, "train.steps=4", "eval.every=2", "eval.num_examples=8", "eval.before_and_after=True",
               "checkpoint.every=2", "checkpoint.async_save=False")
   summary = Trainer(cfg).run()
   metrics = read_metrics(summary["metrics_file"])
   evals = {m["step"]: m for m in metrics if "eval/accuracy" in m}
+  if cfg.output.progress:   # the trainer's evaluations announce themselves and print their result (stderr)
+    err = capfd.readouterr().err
+    assert "eval before training: scoring 1 completion for each of up to 8 held-out examples" in err
+    assert re.search(r"eval at step 2: accuracy [0-9.]+% \+- [0-9.]+ over 8 examples", err), err[-2000:]
   assert sorted(evals) == [0, 2, 4]                       # before, every 2 steps, after
   for m in evals.values():
     assert m["eval/num_examples"] == 8 and 0.0 <= m["eval/accuracy"] <= 1.0

@@ -137,6 +137,40 @@ def test_rows_without_tools_match_the_single_turn_sampler(policy, runner):
     np.testing.assert_allclose(traj.logprobs[r, :n], np.asarray(ref.logprobs)[r, :n], atol=PARITY_TOL)
 
 
+def test_sampler_and_engine_make_the_same_choice(policy):
+  """One choice function: from the same logits and keys, the single-turn loop (one column for all
+  rows, key fold_in(rng, t)) and the multi-turn engine (each row at its trajectory end, key
+  fold_in(rng, count)) build the same DecodeState, bit for bit: tokens, masks, log-probs,
+  entropies, stops (the engine also marks full rows done; the sampler's loop just ends). Rows
+  start done or stop mid-way; the vocabulary is wider than two draw blocks."""
+  from rljax import decode, multiturn
+  b, t, v = 6, 7, 1000
+  sp = SamplingParams(num_samples=1, max_new_tokens=t, temperature=0.9, top_p=0.95)
+  stop_ids = (11, 12)
+  # Row 1 stops at step 2 and row 3 at step 4 (a stop id all but certain there).
+  logits = jax.random.normal(jax.random.key(0), (t, b, v)).at[2, 1, 11].add(40.0).at[4, 3, 12].add(40.0)
+  rng = jax.random.key(4)
+  pad = decode.pad_token_id(policy.config)
+  done = jnp.asarray([False, False, True, False, False, False])
+  single = decode.DecodeState.empty(b, t, pad, done=done)
+  tp = TurnParams(end_ids=((v + 1,),))                                  # never pauses
+  turns = multiturn.new_state(policy.config, sp, tp, b).replace(done=done)
+  choose_turn = jax.jit(lambda s, x: multiturn._choose(policy.config, sp, tp, stop_ids, s, x, ~s.done, rng))
+  choose_col = jax.jit(lambda s, x, k: decode.choose(s, x, k, sp, jax.random.fold_in(rng, k), stop_ids, pad)[0])
+  for k in range(t):
+    single = choose_col(single, logits[k], k)
+    turns = choose_turn(turns, logits[k])
+  for field in ("tokens", "mask", "logprobs", "entropy", "stopped"):
+    np.testing.assert_array_equal(np.asarray(getattr(turns, field)), np.asarray(getattr(single, field)), field)
+  stopped, lengths = np.asarray(single.stopped), np.asarray(single.mask.sum(-1))
+  np.testing.assert_array_equal(lengths, [t, 3, 0, 5, t, t])
+  np.testing.assert_array_equal(stopped, [False, True, False, True, False, False])
+  np.testing.assert_array_equal(np.asarray(single.done), stopped | np.asarray(done))
+  np.testing.assert_array_equal(np.asarray(turns.done), np.asarray(single.done) | (lengths == t))
+  np.testing.assert_array_equal(np.asarray(turns.n), lengths)
+  assert not np.asarray(turns.tool_mask).any() and int(turns.count) == t
+
+
 def test_call_spanning_another_rows_feed_round(policy, runner):
   """Row 1 is in the middle of its call's JSON when row 0's tool answer is fed (a round in which
   row 1 only feeds its pending token): its turn still starts where it started, so its call parses."""
@@ -214,21 +248,22 @@ def test_update_trains_on_model_tokens_and_recomputes_sampler_logprobs(policy, r
   traj = engine.run(policy.params, ids, mask, jax.random.key(5), script=lambda r, t: calls.get(r) if t == 0 else None)
   assert traj.turns.tolist() == [1, 0, 1, 0]
   g = engine.sp.num_samples
-  rollout = dict(traj.device, prompt_ids=jnp.repeat(jnp.asarray(ids), g, 0),
-                 prompt_mask=jnp.repeat(jnp.asarray(mask), g, 0))
+  rewards = jnp.asarray([1.0, 0.0, 0.0, 1.0])
+  rollout = traj.rollout.with_rewards(rewards, rewards[:, None])
+  np.testing.assert_array_equal(np.asarray(rollout.prompt_ids), np.repeat(ids, g, 0))
+  np.testing.assert_array_equal(np.asarray(rollout.context_mask), traj.context_mask)
+  assert rollout.group_size == g
   spec = StepSpec(model=policy.config, sampling=engine.sp, loss=LossConfig(), prompts=2,
                   eos_ids=engine.stop_ids, recompute_old_logprobs=True)
-  opt = optax.sgd(0.0)
-  rewards = jnp.asarray([1.0, 0.0, 0.0, 1.0])
-  comps = rewards[:, None]
+  opt = optax.apply_if_finite(optax.sgd(0.0), max_consecutive_errors=2**31 - 1)   # the update counts skips
 
   def diff(r):
     state = TrainState.create(policy.params, opt, 0)
-    _, metrics = jax.jit(make_update_fn(spec, opt))(state, r, rewards, comps)
+    _, metrics = jax.jit(make_update_fn(spec, opt))(state, r)
     return float(metrics["sampler_logprob_diff_max"]), float(metrics["response_length_mean"])
 
   with_ctx, length = diff(rollout)
-  without_ctx, _ = diff({k: v for k, v in rollout.items() if k != "context_mask"})
+  without_ctx, _ = diff(rollout.replace(context_mask=rollout.mask))
   assert with_ctx <= PARITY_TOL, with_ctx
   assert without_ctx > 1e-3, "hiding the tool tokens changes the model tokens' log-probs"
   # The loss counts model tokens only: the mean trained length excludes tool-response tokens.
@@ -259,14 +294,14 @@ def test_trainer_runs_multi_turn_steps(tmp_path):
   c.output.tensorboard = False
   trainer = Trainer(c)
   try:
-    engine = trainer.rollouts.engine
+    engine = trainer.runner.producer.engine
     scripted = ToolRollout(engine.config, engine.tokenizer, engine.runner, engine.sp,
                            dataclasses.replace(engine.tp, forced_width=16), fmt="python", eos_ids=engine.stop_ids)
     cell = trainer.tokenizer.encode("```python\nprint(6*7)\n```")
     script = lambda row, turn: cell if row % 2 == 0 and turn == 0 else None
-    trainer.rollouts.engine = types.SimpleNamespace(run=lambda *a: scripted.run(*a, script=script))
+    trainer.runner.producer.engine = types.SimpleNamespace(run=lambda *a: scripted.run(*a, script=script))
     m = trainer.run_step()
-    traj = trainer.rollouts.last_traj
+    traj = trainer.runner.producer.last
   finally:
     trainer.close()
   assert traj.turns.tolist() == [1, 0, 1, 0]
@@ -323,10 +358,11 @@ def test_tools_config_errors():
   with pytest.raises(ConfigError, match="format='python'"):
     validate(c)
   c.tools.format = "hermes"
-  c.rollout.mode = "async"
-  with pytest.raises(ConfigError, match="rollout.mode='fused'"):
-    validate(c)
-  c.rollout.mode = "fused"
+  for mode in ("fused", "async", "partial"):   # multi-turn generation is the pipelined mode's producer
+    c.rollout.mode = mode
+    with pytest.raises(ConfigError, match="rollout.mode='pipelined'"):
+      validate(c)
+  c.rollout.mode = "pipelined"
   c.tools.max_turns = 0
   with pytest.raises(ConfigError, match="tools.max_turns"):
     validate(c)

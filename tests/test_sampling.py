@@ -13,7 +13,7 @@ from rljax.models.convert import hf_to_params
 from rljax.models.policy import Policy, apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
 from rljax.rl.logprobs import chunked_logprobs
-from rljax import sampling
+from rljax import decode, sampling
 from rljax.sampling import SampleOutput, SamplingParams, generate, sample, sample_logits
 
 VOCAB = 96
@@ -237,7 +237,7 @@ def test_two_level_draw_matches_the_distribution(top_k):
   multiple of the block), mass spread over many blocks. 40,000 draws; the counts of the 30 most
   likely tokens and of the rest pooled fit the distribution (chi-square p > 1e-3, seed fixed)."""
   v = 1300
-  assert v > 2 * sampling._DRAW_BLOCK and v % sampling._DRAW_BLOCK
+  assert v > 2 * decode._DRAW_BLOCK and v % decode._DRAW_BLOCK
   logits = jnp.asarray(np.random.default_rng(3).normal(0, 2.0, v), jnp.float32)
   sp = SamplingParams(1, 1, top_k=top_k)
   n = 40_000
@@ -256,7 +256,7 @@ def test_two_level_draw_matches_the_distribution(top_k):
   if top_k:   # every kept token is among the top 40: no pooled cell
     cells_c, cells_p = counts[np.flatnonzero(keep)], probs[np.flatnonzero(keep)]
   assert _chi_square_pvalue(cells_c, cells_p) > 1e-3
-  assert len(np.unique(np.asarray(tokens) // sampling._DRAW_BLOCK)) > 3     # draws land in many blocks
+  assert len(np.unique(np.asarray(tokens) // decode._DRAW_BLOCK)) > 3     # draws land in many blocks
 
 
 def test_sampler_frequencies_end_to_end(models):
@@ -285,7 +285,7 @@ def test_top_p_wide_nucleus_uses_exact_fallback():
   scaled = jnp.asarray(logits)
   shifted = scaled - scaled.max(-1, keepdims=True)
   log_z = jnp.log(jnp.exp(shifted).sum(-1))
-  thr = np.asarray(jax.jit(sampling._truncation_threshold, static_argnums=3)(scaled, shifted, log_z, sp))
+  thr = np.asarray(jax.jit(decode._truncation_threshold, static_argnums=3)(scaled, shifted, log_z, sp))
   for row, t in zip(logits, thr):
     np.testing.assert_array_equal(row >= t, _reference_keep(row.astype(np.float64), 0, 0.9, 0.0))
 
@@ -389,6 +389,24 @@ def test_generate_ragged_lists_and_grouped_views(models):
     ids[i, 5 - len(p):], mask[i, 5 - len(p):] = p, True
   again = generate(policy, ids, sp, jax.random.key(0), prompt_mask=mask)
   np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(out.tokens))
+
+
+def test_left_pad_stage_ends_and_effective_temperature():
+  from rljax.padding import left_pad
+  ids, mask = left_pad([[5, 6, 7], [], [8]], pad_id=1, multiple=4)
+  np.testing.assert_array_equal(ids, [[1, 5, 6, 7], [1, 1, 1, 1], [1, 1, 1, 8]])
+  np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 1]])
+  assert ids.dtype == np.int32 and mask.dtype == bool
+  ids, mask = left_pad([np.array([2, 3])], None, width=5, dtype=np.int64)
+  assert ids.tolist() == [[0, 0, 0, 2, 3]] and ids.dtype == np.int64 and mask.sum() == 2
+  with pytest.raises(ValueError, match="width 1"):
+    left_pad([[1, 2]], 0, width=1)
+  # The completion cache grows in up to 4 stages of at least 32 tokens.
+  assert sampling.stage_ends(128) == (32, 64, 96, 128) and sampling.stage_ends(70) == (35, 70)
+  assert sampling.stage_ends(40) == (40,)
+  # Temperature 0 means greedy, its log-probs recorded at temperature 1.
+  assert sampling.effective_temperature(0) == 1.0 and sampling.effective_temperature(0.7) == 0.7
+  assert SamplingParams(1, 1, temperature=0.0).logprob_temperature == 1.0
 
 
 @pytest.mark.parametrize("field,kwargs", [

@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 from typing import Any
 
 import jax
@@ -27,7 +28,8 @@ def _sample_fn(config, sp):
 
 def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examples: int, samples: int, sampling,
                     max_prompt_tokens: int, batch_prompts: int = 8, out_path: str | None = None,
-                    seed: int = 0, distinct: bool = True, tool_rollout=None, prompt_tools=None) -> dict[str, Any]:
+                    seed: int = 0, distinct: bool = True, tool_rollout=None, prompt_tools=None,
+                    label: str | None = None, progress: bool = False) -> dict[str, Any]:
   """Scores `samples` completions for each of the first `num_examples` examples of `dataset`.
 
   Returns accuracy (mean score>0.5 of the first reward component over all samples) with its
@@ -38,7 +40,13 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
   calls answered mid-generation, the responses included in the text the verifier sees), the
   prompts carry `prompt_tools` schemas, and each example records `tool_calls` and `tool_errors`
   per completion (summarized as `tool_calls_per_completion` and `tool_error_rate`).
+
+  With `progress`, a line says what is evaluated (under `label`, e.g. "eval before training"), a
+  progress bar counts the examples, and the result is printed when it ends (all on stderr), so a
+  long evaluation is never a silent one.
   """
+  label = label or "eval"
+  bar = _Progress(label, num_examples, samples, enabled=progress)
   batcher = PromptBatcher(dataset, tokenizer, prompts_per_batch=batch_prompts, max_prompt_tokens=max_prompt_tokens,
                           pad_to_max_prompt_tokens=True, drop_remainder=False, distinct=distinct, tools=prompt_tools)
   if tool_rollout is None:
@@ -77,9 +85,47 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
                                tool_errors=np.asarray(out.tool_errors)[sl].tolist())
       if len(per_example) >= num_examples:
         break
+    bar.update(min(n, num_examples - bar.done))
     if len(per_example) >= num_examples:
       break
-  return summarize(per_example, samples, out_path)
+  metrics = summarize(per_example, samples, out_path)
+  bar.close(metrics, out_path)
+  return metrics
+
+
+def format_result(metrics: dict[str, Any]) -> str:
+  """One line of an evaluation's figures: accuracy +- its standard error, and pass@k / maj@k."""
+  n = int(metrics.get("num_examples", 0))
+  if not n:
+    return "no examples evaluated"
+  parts = [f"accuracy {100 * metrics['accuracy']:.1f}% +- {100 * metrics['accuracy_stderr']:.1f} over {n} examples"]
+  parts += [f"{k} {100 * v:.1f}%" for k, v in metrics.items() if k.startswith(("pass@", "maj@")) and k != "pass@1"]
+  return ", ".join(parts)
+
+
+class _Progress:
+  """The evaluation's announcement, progress bar and result line, on stderr (a no-op when disabled)."""
+
+  def __init__(self, label: str, num_examples: int, samples: int, enabled: bool):
+    self.label, self.done, self._bar = label, 0, None
+    if not enabled:
+      return
+    from tqdm.auto import tqdm
+    print(f"{label}: scoring {samples} completion{'s' if samples > 1 else ''} for each of up to {num_examples} "
+          "held-out examples ...", file=sys.stderr, flush=True)
+    self._bar = tqdm(total=num_examples, desc=label, unit="example", file=sys.stderr, dynamic_ncols=True)
+
+  def update(self, n: int) -> None:
+    self.done += n
+    if self._bar is not None:
+      self._bar.update(n)
+
+  def close(self, metrics: dict[str, Any], out_path: str | None) -> None:
+    if self._bar is None:
+      return
+    self._bar.close()
+    where = f" (per example: {out_path})" if out_path else ""
+    print(f"{self.label}: {format_result(metrics)}{where}", file=sys.stderr, flush=True)
 
 
 def summarize(per_example: list[dict[str, Any]], samples: int, out_path: str | None = None) -> dict[str, Any]:
@@ -137,6 +183,7 @@ def eval_main(argv) -> int:
   parser.add_argument("--timeout", type=float, default=10.0)
   parser.add_argument("--out", default="eval_results.jsonl")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--quiet", action="store_true", help="no status lines or progress bar on stderr")
   parser.add_argument("--tools", default=None,
                       help="comma-separated tools the model may call mid-generation (calculator, search, python, "
                            "or module:function); default: none (single-turn)")
@@ -151,7 +198,7 @@ def eval_main(argv) -> int:
   import rljax
   from rljax.data import build_dataset
   from rljax.rewards import RewardPool, RewardSpec
-  from rljax.sampling import SamplingParams
+  from rljax.sampling import SamplingParams, effective_temperature
 
   kind = args.kind
   source: dict[str, Any] = {}
@@ -174,11 +221,13 @@ def eval_main(argv) -> int:
               "max_prompt_tokens": args.max_prompt_tokens, "shuffle": False}
   dataset = build_dataset(data_cfg, split=args.split)
   verifier = args.verifier or dataset.config["sources"][0]["verifier"]
+  if not args.quiet:
+    print(f"rljax eval: loading {args.model} ...", file=sys.stderr, flush=True)
   policy = rljax.load_pretrained(args.model)
   tok = policy.tokenizer
   temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
   sp = SamplingParams(num_samples=args.samples, max_new_tokens=args.max_new_tokens,
-                      temperature=temperature if temperature > 0 else 1.0, greedy=temperature == 0,
+                      temperature=effective_temperature(temperature), greedy=temperature == 0,
                       stop_token_ids=tuple(sorted(set(tok.stop_ids))))
   spec = RewardSpec.from_dict({"components": [{"name": "correct", "verifier": verifier, "weight": 1.0}],
                                "timeout_s": args.timeout, "num_workers": args.workers})
@@ -192,9 +241,10 @@ def eval_main(argv) -> int:
     metrics = evaluate_policy(policy.config, policy.params, tok, dataset, pool, num_examples=args.num_examples,
                               samples=args.samples, sampling=sp, max_prompt_tokens=args.max_prompt_tokens,
                               batch_prompts=args.batch_prompts, out_path=args.out, seed=args.seed,
-                              tool_rollout=tool_rollout, prompt_tools=prompt_tools)
+                              tool_rollout=tool_rollout, prompt_tools=prompt_tools,
+                              label=f"eval {args.data} ({args.split})", progress=not args.quiet)
   print(json.dumps(metrics, indent=2))
-  print(f"per-example results: {args.out}")
+  print(f"{format_result(metrics)}\nper-example results: {args.out}")
   return 0
 
 
