@@ -27,7 +27,8 @@ class Rollout:
     log-probs: model and tool tokens. Equal to `mask` for single-turn rollouts.
   logprobs: [N, T] float32, the sampler's log-probs of the tokens (0 where not sampled).
   entropy: [N, T] float32, the sampler's entropies.
-  lengths: [N] int32, trained tokens per row (`mask.sum(-1)`).
+  lengths: [N] int32, completion tokens per row: `mask.sum(-1)` for single-turn rollouts, the
+    whole trajectory (model and tool tokens, `context_mask.sum(-1)`) for multi-turn ones.
   truncated: [N] bool, the row hit its length budget without a stop token.
   rewards: [N] float32, or None before scoring.
   components: [N, K] float32 per-component rewards, or None before scoring.
