@@ -1,6 +1,7 @@
 """`rljax plan`: will this run fit, and what will it cost, on a TPU slice you have not rented yet?
 
-    rljax plan --config configs/qwen25_7b.py --topology v5p-8 [--config.x=y ...] [--program all] [--json]
+    rljax plan --config configs/qwen25_05b_gsm8k_grpo.py --config.model.path=scripts/model_configs/qwen2.5-7b \
+        --config.mesh.shape='(1,-1,1)' --topology v5p-8 [--config.x=y ...] [--program all] [--json]
 
 Needs only the model's config.json (no weights), compiles the configured run's programs ahead of
 time for a deviceless TPU topology (libtpu: `pip install 'rljax[tpu]'`) or for N simulated CPU
@@ -30,8 +31,7 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
   """Compiles `programs` of `run` for `topo` and returns the plan as a JSON-able dict.
 
   layers: None compiles the model at its depth; (a, b) compiles it at a and b layers and
-  extrapolates the compiled figures linearly to the real depth (approximate: 7B at 1k tokens,
-  learner peak 27.4 vs 30.9 GiB at full depth, sampler 6.9 vs 8.7 GiB; decode collectives exact;
+  extrapolates the compiled figures linearly to the real depth (approximate, docs/plan.md;
   parameters, optimizer state and KV cache stay exact). dump_dir: write each per-chip HLO there.
   """
   from rljax import sharding as shd
@@ -67,9 +67,6 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
     reports.append(r)
   c = run.config
   notes = list(run.notes)
-  if mesh.size < topo.chips:
-    notes.append(f"config.mesh.shape={tuple(c.mesh.shape)} uses {mesh.size} of the {topo.chips} chips; "
-                 "use -1 on one axis to fill the slice.")
   if topo.platform == "tpu" and getattr(run.model, "attention", None) == "auto":
     notes.append("model.attention='auto' picks its kernel by the compiling process's backend (the CPU here), "
                  "not the TPU's: pass --config.model.attention=splash or chunked to plan what the TPU runs.")
@@ -114,8 +111,8 @@ def _compile_only() -> None:
   unless the process chose its platforms already."""
   import os
   import jax
-  from jax._src import xla_bridge
-  if not xla_bridge.backends_are_initialized() and not os.environ.get("JAX_PLATFORMS"):
+  from rljax.plan.topology import backends_started
+  if not backends_started() and not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")
 
 

@@ -161,8 +161,7 @@ def cpu_devices(n: int) -> list:
   computation); a process that already started with fewer devices cannot grow them.
   """
   import jax
-  from jax._src import xla_bridge
-  if not xla_bridge.backends_are_initialized():
+  if not backends_started():
     jax.config.update("jax_platforms", "cpu")
     if jax.config.jax_num_cpu_devices < n and f"device_count={n}" not in os.environ.get("XLA_FLAGS", ""):
       jax.config.update("jax_num_cpu_devices", n)
@@ -172,6 +171,19 @@ def cpu_devices(n: int) -> list:
                       f"before the plan); run `rljax plan` in a fresh process, or set "
                       f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax starts.")
   return devices[:n]
+
+
+def backends_started() -> bool:
+  """Whether jax has started its backends (after which the platforms and CPU device count are fixed).
+
+  jax has no public query for this; its xla_bridge has one. Where that is missing, assume started
+  (the safe answer: nothing is reconfigured).
+  """
+  try:
+    from jax._src import xla_bridge
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):
+    return True
 
 
 def next_larger(topo: Topology) -> str | None:
