@@ -168,18 +168,8 @@ def local_indices(sharding, shape: Sequence[int]) -> np.ndarray:
 # and vocabulary, replicated over data and fsdp. Decoding with the learner's FSDP layout would
 # all-gather every layer's weights for every token (about 13 GB per chip per token for 7B);
 # this layout is made once per step, device to device, and needs no weight collective per token.
-DECODE_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("layers", None),
-    ("embed", None),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("vocab", "tensor"),
-    ("length", None),
-    ("norm", None),
-)
+DECODE_RULES: tuple[tuple[str, Any], ...] = tuple(
+    (name, None if name == "embed" else axes) for name, axes in DEFAULT_RULES)
 
 
 def decode_param_shardings(logical_axes_tree, shapes, mesh: Mesh, *, max_bytes_per_device: int | None = None,

@@ -182,6 +182,11 @@ class RewardFn:
       raise ValueError(f"reward callback: the {n} rows on this process are not whole groups of {g} "
                        "(group verifiers need every completion of a prompt); make train.prompts_per_step "
                        "divisible by the product of mesh.shape's data and fsdp axes.")
+    return self._decode_and_score(tokens, lengths, examples, g, step)
+
+  def _decode_and_score(self, tokens, lengths, examples, g: int, step: int):
+    """Detokenizes rows [N, T] up to their lengths and scores them: (rewards [N], comps [N, K], batch)."""
+    n = tokens.shape[0]
     ids = [tokens[i, :max(0, min(int(lengths[i]), tokens.shape[1]))].tolist() for i in range(n)]
     texts = list(self.decode_fn(ids))
     out = self.pool.score(texts, examples, num_tokens=lengths, group_size=g, step=step)
@@ -203,12 +208,7 @@ class RewardFn:
     if len(examples) not in (n, n // max(g, 1)) or n % g:
       raise ValueError(f"reward_fn got {n} completions for {len(examples)} examples with group_size={g}; "
                        "set_batch needs one example per prompt (N // G) or per completion (N).")
-    ids = [tokens[i, :max(0, min(int(lengths[i]), tokens.shape[1]))].tolist() for i in range(n)]
-    texts = list(self.decode_fn(ids))
-    out = self.pool.score(texts, examples, num_tokens=lengths, group_size=g, step=step)
-    rewards = np.asarray(out.rewards, np.float32).reshape(n)
-    comps = out.components_matrix().reshape(n, len(self.component_names))
-    return rewards, comps, out
+    return self._decode_and_score(tokens, lengths, examples, g, step)
 
   # ---- per-shard callbacks: one round per step on this process --------------------------------
 
