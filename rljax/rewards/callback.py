@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from rljax.rewards.compose import RewardBatch
+from rljax.rewards.compose import RewardBatch, reward_summary
 from rljax.rewards.pool import RewardPool
 
 log = logging.getLogger("rljax.rewards")
@@ -416,12 +416,7 @@ def combine_process_metrics(parts: Sequence[Mapping[str, Any]]) -> dict[str, flo
     else:
       weight = sum(p["n"] for p in have)
       out[key] = float(math.fsum(p["n"] * v for p, v in zip(have, values)) / max(weight, 1))
-  r = np.concatenate([np.asarray(p["rewards"], np.float64) for p in parts])
-  mean = math.fsum(r.tolist()) / n
-  out["reward/mean"] = mean
-  out["reward/std"] = math.sqrt(math.fsum(((r - mean) ** 2).tolist()) / n)
-  out["reward/min"] = float(r.min())
-  out["reward/max"] = float(r.max())
+  out.update(reward_summary(np.concatenate([np.asarray(p["rewards"], np.float64) for p in parts])))
   out["verifier/items"] = float(n)
   out["verifier/scoring_processes"] = float(len(parts))
   return out

@@ -68,6 +68,16 @@ def combine(spec: RewardSpec, scores: np.ndarray, failed: np.ndarray, step: int)
   return rewards.astype(np.float32), passed
 
 
+def reward_summary(rewards) -> dict[str, float]:
+  """reward/mean, /std (population), /min, /max of rewards [N], with exactly rounded sums
+  (math.fsum in float64): the same figures however the rows are split (over processes, or
+  scored in one call or several)."""
+  r = np.asarray(rewards, np.float64).reshape(-1)
+  mean = math.fsum(r.tolist()) / r.size
+  return {"reward/mean": mean, "reward/std": math.sqrt(math.fsum(((r - mean) ** 2).tolist()) / r.size),
+          "reward/min": float(r.min()), "reward/max": float(r.max())}
+
+
 def batch_metrics(spec: RewardSpec, rewards: np.ndarray, scores: np.ndarray, passed: np.ndarray,
                   infos: Sequence[Sequence[Mapping[str, Any] | None]], step: int) -> dict[str, float]:
   """reward/* and info/* metrics of a batch (the pool adds verifier/*)."""
@@ -75,10 +85,7 @@ def batch_metrics(spec: RewardSpec, rewards: np.ndarray, scores: np.ndarray, pas
   n = rewards.shape[0]
   if n == 0:
     return m
-  m["reward/mean"] = float(rewards.mean())
-  m["reward/std"] = float(rewards.std())
-  m["reward/min"] = float(rewards.min())
-  m["reward/max"] = float(rewards.max())
+  m.update(reward_summary(rewards))
   acc = spec.accuracy_index()
   if np.isin(scores[acc], (0.0, 1.0)).all():
     # A pass rate only means something for a pass/fail score; a continuous one (a fraction, a
