@@ -276,31 +276,21 @@ def _sharded_fwd(h, w, y, static):
 
 
 def _sharded_bwd(static, res, cts):
-  from jax.sharding import PartitionSpec as P
   inv_temp, chunk, precision, mesh, rows, vocab = static
   h, w, y, lse, ent = res
   g_lp, g_ent = cts
   hs, ws, ys = _specs(static)
-
-  # dW's row-shard parts are summed and scattered over the row axes along D when they divide it:
-  # each device keeps 1/n of the f32 [D, V] gradient (a replicated psum result was a whole
-  # 2 GiB copy per chip for Qwen2.5-7B's lm_head), and XLA reshards it to the parameter's layout.
-  n_rows = math.prod(mesh.shape[a] for a in rows) if rows else 1
-  scatter = rows and w.shape[0] % n_rows == 0
-  dws = P(rows, vocab) if scatter else ws
 
   def local(h, w, y, lse, ent, g_lp, g_ent):
     offset = lax.axis_index(vocab) * w.shape[1] if vocab else 0
     dh, dw = _backward(h, w, y - offset, lse, ent, g_lp, g_ent, inv_temp, chunk, precision)
     if vocab:
       dh = lax.psum(dh, vocab)      # each vocabulary shard's part of dh
-    if scatter:
-      dw = lax.psum_scatter(dw, rows, scatter_dimension=0, tiled=True)
-    elif rows:
+    if rows:
       dw = lax.psum(dw, rows)       # each row shard's part of dW
     return dh.astype(h.dtype), dw
 
-  dh, dw = jax.shard_map(local, mesh=mesh, in_specs=(hs, ws, ys, ys, ys, ys, ys), out_specs=(hs, dws),
+  dh, dw = jax.shard_map(local, mesh=mesh, in_specs=(hs, ws, ys, ys, ys, ys, ys), out_specs=(hs, ws),
                          check_vma=False)(h, w, y, lse, ent, g_lp, g_ent)
   return dh, dw, None
 
