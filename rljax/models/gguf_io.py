@@ -132,25 +132,9 @@ def rope_scaling_from_freqs(freqs: np.ndarray, head_dim: int, theta: float, sour
 
 
 def _reader_class():
-  """GGUFReader over a plain ndarray view of the memory map.
-
-  GGUFReader slices `self.data` once per metadata value (~250k times for a 49k-token
-  vocabulary); on an `np.memmap` each slice pays the subclass's bookkeeping, which makes
-  opening SmolLM2 take 6-15 s instead of ~2 s. The view shares the mapped buffer, so
-  tensors are still read lazily from disk.
-  """
-  from gguf import GGUFReader
-
-  class Reader(GGUFReader):
-    @property
-    def data(self):
-      return self._plain_data
-
-    @data.setter
-    def data(self, value):
-      self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-  return Reader
+  """GGUFReader over a plain ndarray view of the memory map (`rljax.tokenizer.gguf.plain_reader_class`)."""
+  from rljax.tokenizer.gguf import plain_reader_class
+  return plain_reader_class()
 
 
 class GGUFCheckpoint:

@@ -92,18 +92,17 @@ def read_tokenizer_metadata(path: str) -> dict[str, Any]:
   return {key: _field_value(field) for key, field in reader.fields.items() if key.startswith("tokenizer.")}
 
 
-def _metadata_reader_class():
-  """`gguf.GGUFReader`, minus the tensor table and np.memmap's per-slice overhead.
+def plain_reader_class():
+  """`gguf.GGUFReader` over a plain ndarray view of the memory map.
 
-  The reader slices its buffer once per metadata value (~250k times for a 49k-token vocabulary); on an
-  np.memmap each slice pays the subclass's bookkeeping, so reading SmolLM2's metadata takes ~3 s instead of
-  ~1 s (`rljax.models.gguf_io` works around the same cost). A plain ndarray view shares the mapped buffer.
-  Tensors are never read here, so they are not built: a file whose tensor data is cut short still yields
-  its tokenizer.
+  The reader slices its buffer once per metadata value (~250k times for a 49k-token vocabulary); on
+  an np.memmap each slice pays the subclass's bookkeeping, which makes opening SmolLM2 take several
+  times longer. The view shares the mapped buffer, so tensors are still read lazily from disk. The
+  model loader (`rljax.models.gguf_io`) uses it too; this module imports no jax.
   """
   from gguf import GGUFReader  # pylint: disable=import-outside-toplevel
 
-  class MetadataReader(GGUFReader):
+  class PlainReader(GGUFReader):
     @property
     def data(self):
       return self._plain_data
@@ -112,6 +111,14 @@ def _metadata_reader_class():
     def data(self, value):
       self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
+  return PlainReader
+
+
+def _metadata_reader_class():
+  """`plain_reader_class` minus the tensor table: tensors are never read here, so a file whose
+  tensor data is cut short still yields its tokenizer."""
+
+  class MetadataReader(plain_reader_class()):
     def _build_tensors(self, start_offs, fields):
       del start_offs, fields
 
