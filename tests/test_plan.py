@@ -234,3 +234,15 @@ def test_tpu_compiler_refusal_is_reported_as_not_fitting():
   assert "Ran out of memory" in learner["error"]
   assert any("attention='chunked'" in s for s in learner["suggestions"])
   assert any("--topology v5e-16" in s for s in learner["suggestions"])
+
+
+@pytest.mark.skipif(not libtpu_available(), reason="libtpu is not importable (pip install 'rljax[tpu]')")
+def test_auto_attention_resolves_for_the_compiled_topology_not_the_host():
+  # A plan compiled from this CPU process for a TPU topology must trace what the TPU would run.
+  from rljax import sharding as shd
+  from rljax.models import attention as attn
+  from rljax.plan.topology import tpu_devices
+  mesh = shd.make_mesh((1, -1, 1), tpu_devices(parse_topology("v5p-8")))
+  assert attn.target_platform() == "cpu" and attn.resolve("auto", 512) == "xla"
+  with shd.activate(mesh):
+    assert attn.target_platform() == "tpu" and attn.resolve("auto", 512) == "splash"

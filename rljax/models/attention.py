@@ -43,12 +43,12 @@ _PAD_SEGMENT = int(np.iinfo(np.int32).min)   # splash: padding's own segment (ne
 
 
 def resolve(impl: str, length: int, dtype=jnp.float32, packed: bool = False) -> str:
-  """The concrete backend for `impl` on the default backend at `length` tokens."""
+  """The concrete backend for `impl` on the target platform (`target_platform`) at `length` tokens."""
   if impl not in IMPLEMENTATIONS:
     raise ConfigError(f"config.model.attention={impl!r} is not one of {IMPLEMENTATIONS}.")
   if impl != "auto":
     return impl
-  backend = jax.default_backend()
+  backend = target_platform()
   if backend == "tpu":  # splash needs shard_map on several devices: only with the mesh in context
     return "splash" if jax.device_count() == 1 or _context_mesh() is not None else "chunked"
   if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not packed:
@@ -263,9 +263,9 @@ def _cudnn(q, k, v, token_mask, segment_ids, implementation: str = "cudnn"):
   `implementation="xla"` runs the same wrapping on any backend (tests).
   """
   if implementation == "cudnn":
-    if jax.default_backend() != "gpu":
-      raise ConfigError(f"config.model.attention='cudnn' needs a GPU, but JAX's backend is "
-                        f"{jax.default_backend()!r}; use 'chunked' or 'auto'.")
+    if target_platform() != "gpu":
+      raise ConfigError(f"config.model.attention='cudnn' needs a GPU, but the program is compiled for "
+                        f"{target_platform()!r}; use 'chunked' or 'auto'.")
     if jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
       raise ConfigError(f"config.model.attention='cudnn' needs model.dtype bfloat16 or float16 (cuDNN flash "
                         f"attention), got {jnp.dtype(q.dtype).name}; use 'chunked' or 'auto'.")
@@ -307,9 +307,9 @@ def _splash(q, k, v, token_mask, segment_ids, block, interpret):
   say. Scores are scaled by folding 1 / sqrt(Dh) into q.
   """
   if interpret is None:
-    if jax.default_backend() != "tpu":
-      raise ConfigError(f"config.model.attention='splash' needs a TPU, but JAX's backend is "
-                        f"{jax.default_backend()!r}; use 'chunked' or 'auto'.")
+    if target_platform() != "tpu":
+      raise ConfigError(f"config.model.attention='splash' needs a TPU, but the program is compiled for "
+                        f"{target_platform()!r}; use 'chunked' or 'auto'.")
     interpret = False
   b, t, kh, r, dh = q.shape
   blk = min(_round_up(block, 128), _round_up(t, 128))
@@ -332,6 +332,16 @@ def _splash(q, k, v, token_mask, segment_ids, block, interpret):
     run = _shard_batch_and_heads(run, mesh, b, kh)
   out = run(qh, kt, vt, seg)[:, :, :t]  # [B, H, T, Dh]
   return _valid_rows(out.transpose(0, 2, 1, 3).reshape(b, t, kh, r, dh), token_mask)
+
+
+def target_platform() -> str:
+  """The platform the traced program is for: its mesh's devices where a concrete mesh is in context
+  (a deviceless TPU topology compiled from a CPU process is 'tpu'), else JAX's default backend."""
+  mesh = _context_mesh()
+  devices = getattr(mesh, "devices", None)
+  if devices is not None and devices.size:
+    return devices.flat[0].platform
+  return jax.default_backend()
 
 
 def _context_mesh():

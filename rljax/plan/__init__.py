@@ -67,9 +67,6 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
     reports.append(r)
   c = run.config
   notes = list(run.notes)
-  if topo.platform == "tpu" and getattr(run.model, "attention", None) == "auto":
-    notes.append("model.attention='auto' picks its kernel by the compiling process's backend (the CPU here), "
-                 "not the TPU's: pass --config.model.attention=splash or chunked to plan what the TPU runs.")
   return {
       "topology": {"name": topo.name, "platform": topo.platform, "chips": topo.chips,
                    "description": topo.describe(), "hbm_bytes": topo.hbm_bytes, "mesh": mesh_shape},
