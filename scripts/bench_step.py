@@ -23,8 +23,9 @@ other transformers and flax versions than rljax's). Its step time is the interva
 consecutive reward calls (it has no step callback), so one extra step is run.
 
 With `--natural`, every side honours EOS (the same prompts, the same 128-token cap), so completions
-have their natural, ragged lengths; rljax then packs its update (`train.pack_tokens`, blocks of 16
-rows' width of real tokens instead of 4 padded micro-batches) and the report adds the update's real
+have their natural, ragged lengths; rljax then packs its update (`train.pack_tokens`, blocks of
+`--pack-rows` rows' width of real tokens, default 8, instead of 4 padded micro-batches of 16 rows: half
+the activation memory per block, and a short last block wastes less) and the report adds the update's real
 and padded token counts.
 
 Prints seconds per step (median of the measured steps, warm-up excluded), generated tokens/s,
@@ -61,7 +62,7 @@ def export_model(out_dir: str) -> str:
   return rljax.save_pretrained(policy, out_dir)
 
 
-def run_rljax(hf_dir: str, steps: int, work_dir: str, natural: bool = False) -> dict:
+def run_rljax(hf_dir: str, steps: int, work_dir: str, natural: bool = False, pack_rows: int = 8) -> dict:
   """The embedded default recipe, resized to the benchmark's work."""
   from rljax.config_overrides import apply_overrides, load_config_file
   from rljax.trainer.loop import Trainer
@@ -74,15 +75,15 @@ def run_rljax(hf_dir: str, steps: int, work_dir: str, natural: bool = False) -> 
       "output.progress=False", "output.tensorboard=False", "checkpoint.every=0", "checkpoint.resume=False",
   ])
   width = cfg.data.max_prompt_tokens + NEW_TOKENS
-  apply_overrides(cfg, [f"train.pack_tokens={16 * width}"] if natural else ["train.micro_batches=4"])
+  apply_overrides(cfg, [f"train.pack_tokens={pack_rows * width}"] if natural else ["train.micro_batches=4"])
   trainer = Trainer(cfg)
   prompts: list[dict] = []
   set_batch = trainer.scorer.reward_fn.set_batch
 
-  def recording_set_batch(examples, step):  # the benchmark replays these prompts in TRL
+  def recording_set_batch(examples, *args, **kwargs):  # the benchmark replays these prompts in TRL
     per_prompt = examples if len(examples) == PROMPTS else examples[::GROUP]
     prompts.extend({"messages": list(e["prompt_messages"]), "answer": e["answer"]} for e in per_prompt)
-    return set_batch(examples, step=step)
+    return set_batch(examples, *args, **kwargs)
 
   trainer.scorer.reward_fn.set_batch = recording_set_batch
   steps_out = []
@@ -196,10 +197,10 @@ def run_tunix(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> di
 
 
 def _child(side: str, hf_dir: str, steps: int, work_dir: str, python: str = sys.executable,
-           natural: bool = False) -> dict:
+           natural: bool = False, pack_rows: int = 8) -> dict:
   out = os.path.join(work_dir, f"{side}.json")
   cmd = [python, os.path.abspath(__file__), "--side", side, "--hf-dir", hf_dir, "--steps", str(steps),
-         "--work-dir", work_dir] + (["--natural"] if natural else [])
+         "--work-dir", work_dir] + (["--natural", "--pack-rows", str(pack_rows)] if natural else [])
   subprocess.run(cmd, check=True)
   with open(out) as f:
     return json.load(f)
@@ -223,6 +224,7 @@ def main(argv=None):
   p.add_argument("--warmup", type=int, default=1, help="steps excluded from the figures (compilation, caches)")
   p.add_argument("--skip-trl", action="store_true")
   p.add_argument("--natural", action="store_true", help="honour EOS on every side; rljax packs its update")
+  p.add_argument("--pack-rows", type=int, default=8, help="with --natural: rljax's packed block, in rows' widths")
   add_json_arg(p)
   p.add_argument("--tunix-python", default="",
                  help="a Python with google-tunix installed (its own venv: it pins other transformers/flax)")
@@ -233,7 +235,7 @@ def main(argv=None):
 
   if args.side:  # a child process: run one side and write its figures
     if args.side == "rljax":
-      result = run_rljax(args.hf_dir, args.steps, args.work_dir, args.natural)
+      result = run_rljax(args.hf_dir, args.steps, args.work_dir, args.natural, args.pack_rows)
     else:
       with open(os.path.join(args.work_dir, "rljax.json")) as f:
         prompts = json.load(f)["prompts"]
@@ -248,7 +250,7 @@ def main(argv=None):
   total = args.warmup + args.steps
   with tempfile.TemporaryDirectory() as work:
     hf_dir = export_model(os.path.join(work, "smollm2-hf"))
-    rows = [summarise("rljax", _child("rljax", hf_dir, total, work, natural=args.natural), args.warmup)]
+    rows = [summarise("rljax", _child("rljax", hf_dir, total, work, natural=args.natural, pack_rows=args.pack_rows), args.warmup)]
     if not args.skip_trl:
       trl_result = _child("trl", hf_dir, total, work, natural=args.natural)
       rows.append(summarise("TRL GRPOTrainer", trl_result, args.warmup))
