@@ -133,6 +133,10 @@ def test_config_switches_from_transformers(models):
     ModelConfig.from_hf(dict(legacy, rope_scaling={"rope_type": "linear", "factor": 8.0}))
   with pytest.raises(ConfigError, match="model.sliding_layers"):
     c.replace(sliding_layers=(True, False))
+  # `rljax plan --layers A,B` compiles shallower copies: the per-layer pattern repeats.
+  assert c.with_num_layers(8).sliding_layers == (True,) * 5 + (False, True, True)
+  assert c.with_num_layers(2).sliding_layers == (True, True)
+  assert models["gemma2"][2].config.with_num_layers(3).sliding_layers == (True, False, True)
 
 
 # ---- forward, generation, log-probs ---------------------------------------------------------------

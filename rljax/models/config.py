@@ -164,6 +164,13 @@ class ModelConfig:
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
 
+  def with_num_layers(self, n: int) -> "ModelConfig":
+    """The same model at depth n, its per-layer sliding pattern repeated or cut to n layers
+    (`rljax plan --layers` compiles shallower copies and extrapolates)."""
+    pattern = self.sliding_layers
+    return self.replace(num_layers=n, sliding_layers=tuple(pattern[i % len(pattern)] for i in range(n)) if pattern
+                        else ())
+
   # ---- Hugging Face config.json <-> ModelConfig -------------------------------------------
 
   @classmethod

@@ -68,7 +68,7 @@ class Run:
 
   def with_layers(self, layers: int) -> "Run":
     """The same run on a model with `layers` layers (for depth extrapolation)."""
-    model = self.model.replace(num_layers=layers)
+    model = self.model.with_num_layers(layers)
     return dataclasses.replace(self, model=model, spec=dataclasses.replace(self.spec, model=model))
 
 
