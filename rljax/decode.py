@@ -26,7 +26,8 @@ from flax import struct
 from rljax.errors import ConfigError
 from rljax.models.config import ModelConfig
 from rljax.models.policy import apply_model
-from rljax.models.transformer import DecoderLayer, KVCache, RMSNorm, Transformer, positions_from_mask, rope_tables
+from rljax.models.transformer import (DecoderLayer, KVCache, Transformer, cache_key_positions, embed_tokens, layer_rope,
+                                      make_norm, positions_from_mask, window_mask)
 
 # top-p first looks for its nucleus among this many best tokens; rows whose nucleus is wider fall
 # back to an exact bisection over the whole vocabulary (a full sort of V is far slower on CPU).
@@ -407,20 +408,36 @@ def forward_cached(config: ModelConfig, params, layer_params, tokens, positions,
   `decode_step`. Token w of a row attends to its prefix (if any), then to the slots
   <= index + w whose kv_mask is set. Returns the
   final-normed hidden states [B, W, D] (compute dtype) and the updated ks, vs, kv_mask.
+
+  Sliding-window layers (Gemma) see the keys whose position is within the window of the query's;
+  a key's position is the number of real tokens before it in its row, prefix first
+  (`cache_key_positions`), as the callers number positions.
   """
   c = config
-  w = tokens.shape[1]
-  x = jnp.take(params["embedding"], tokens, axis=0).astype(c.compute_dtype)  # [B, W, D]
-  cos, sin = rope_tables(positions, c)
+  b, w = tokens.shape
+  x = embed_tokens(c, params["embedding"], tokens)  # [B, W, D]
+  rope = layer_rope(positions, c)
   kv_mask = jax.lax.dynamic_update_slice_in_dim(kv_mask, token_mask, index, axis=1)
   causal = jnp.arange(kv_mask.shape[1])[None, :] <= index + jnp.arange(w)[:, None]  # [W, S]
   mask = causal[None] & kv_mask[:, None, :]  # [B, W, S]
+  prefix_window = None
+  if c.has_sliding_layers:
+    before = None
+    if prefix is not None:  # each row's queries against its group's prompt cache: [B, W, Sp]
+      pmask = prefix[2]
+      rows = lambda a: jnp.repeat(a, b // pmask.shape[0], axis=0, total_repeat_length=b)
+      before = rows(jnp.sum(pmask, axis=-1, dtype=jnp.int32))
+      prefix_window = rows(pmask)[:, None, :] & window_mask(c, positions, rows(cache_key_positions(pmask)))
+    mask = (mask, mask & window_mask(c, positions, cache_key_positions(kv_mask, before)))
+  flags = c.sliding_layers if c.has_sliding_layers else (False,) * c.num_layers
   layer = DecoderLayer(c)
   new_ks, new_vs = [], []
   for i, (p, k, v) in enumerate(zip(layer_params, ks, vs)):
-    shared = None if prefix is None else (prefix[0][i], prefix[1][i], prefix[2])
-    x, (k, v) = layer.apply({"params": p}, x, (k, v), cos, sin, mask, index, shared)
+    shared = None
+    if prefix is not None:
+      shared = (prefix[0][i], prefix[1][i], prefix[2]) + (() if prefix_window is None else (prefix_window,))
+    x, (k, v) = layer.apply({"params": p}, x, (k, v), jnp.asarray(flags[i]), rope, mask, index, shared)
     new_ks.append(k)
     new_vs.append(v)
-  x = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype).apply({"params": params["final_norm"]}, x)
+  x = make_norm(c).apply({"params": params["final_norm"]}, x)
   return x, tuple(new_ks), tuple(new_vs), kv_mask

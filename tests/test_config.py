@@ -148,7 +148,8 @@ def test_evaluating_on_the_training_file_is_refused(tmp_path):
   config_lib.validate(_cfg("data.sources=[{'kind': 'gsm8k', 'path': {'train': 'a.jsonl', 'test': 'b.jsonl'}}]"))
 
 
-@pytest.mark.parametrize("name", ["qwen25_05b_gsm8k_grpo.py", "qwen3_17b_math_dapo.py"])
+@pytest.mark.parametrize("name", ["qwen25_05b_gsm8k_grpo.py", "qwen3_17b_math_dapo.py",
+                                  "gemma3_1b_gsm8k_grpo.py"])
 def test_recipe_docstring_data_override_is_a_correct_two_split_override(name):
   """The override each recipe's docstring shows must validate (it used to read train.jsonl for eval)."""
   import re

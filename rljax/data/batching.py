@@ -76,6 +76,32 @@ def render_prompt(example: Example, tokenizer: Any, chat_template: bool, tools: 
   return "\n\n".join(m["content"] for m in messages)
 
 
+BOS_FIRST_ARCHITECTURES = ("gemma2", "gemma3")   # models whose prompts must start with <bos>
+
+
+def check_bos(architecture: str, tokenizer: Any, chat_template: bool) -> None:
+  """Gemma's prompts must start with its BOS token (the model is trained with it first; its chat
+  template writes `{{ bos_token }}`, and prompts are encoded without adding special tokens).
+  Raises ConfigError, naming the field to change, when the prompts rljax renders for a model of
+  `architecture` would lack it. Other architectures: nothing to check."""
+  if architecture not in BOS_FIRST_ARCHITECTURES:
+    return
+  bos = getattr(tokenizer, "bos_id", None)
+  if bos is None:
+    raise ConfigError(f"config.tokenizer: the tokenizer names no bos_token, but {architecture} prompts must start "
+                      "with <bos>; use the model's own tokenizer (tokenizer_config.json with bos_token).")
+  if not chat_template:
+    raise ConfigError(f"config.data.chat_template=False renders prompts without <bos>, which {architecture} needs "
+                      "first; set config.data.chat_template=True (Gemma's chat template starts with <bos>).")
+  text = tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1?"}], add_generation_prompt=True,
+                                       tokenize=False)
+  ids = tokenizer.encode(text, add_special_tokens=False)
+  if not ids or ids[0] != bos:
+    raise ConfigError(f"config.tokenizer: the chat template renders prompts that do not start with <bos> (id {bos}), "
+                      f"which {architecture} needs; use a chat template that begins with '{{{{ bos_token }}}}' "
+                      "(the model's own tokenizer_config.json / chat_template.jinja).")
+
+
 def template_renders_tools(tokenizer: Any) -> bool:
   """Whether the tokenizer's chat template shows `tools=` to the model (it changes the text)."""
   messages = [{"role": "user", "content": "hi"}]

@@ -13,6 +13,12 @@ Which key a query sees is described by O(B * T) inputs, never by a [B, T, T] arr
 
 A query whose `token_mask` is False returns zeros (and passes no gradient), in every backend.
 
+Gemma's extras: `scale` (the factor on q.k instead of 1 / sqrt(Dh); every backend), `softcap`
+(scores become cap * tanh(s / cap) before masking) and `window` with `positions` (a sliding
+window: a query at position p sees keys at positions > p - window). Soft-capping and windows are
+implemented by `xla` and `chunked`; `auto` picks one of those two when either is asked for, and
+`cudnn` / `splash` raise a ConfigError naming config.model.attention.
+
 Backends (`ModelConfig.attention`, `config.model.attention`):
 
 - `xla`: full [B, K, R, T, T] scores, the reference (memory grows with T^2);
@@ -42,12 +48,17 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _PAD_SEGMENT = int(np.iinfo(np.int32).min)   # splash: padding's own segment (never a real id)
 
 
-def resolve(impl: str, length: int, dtype=jnp.float32, packed: bool = False) -> str:
-  """The concrete backend for `impl` on the target platform (`target_platform`) at `length` tokens."""
+def resolve(impl: str, length: int, dtype=jnp.float32, packed: bool = False, masking: bool = False) -> str:
+  """The concrete backend for `impl` on the target platform (`target_platform`) at `length` tokens.
+
+  masking: soft-capping or a sliding window is needed (Gemma), which only xla and chunked do.
+  """
   if impl not in IMPLEMENTATIONS:
     raise ConfigError(f"config.model.attention={impl!r} is not one of {IMPLEMENTATIONS}.")
   if impl != "auto":
     return impl
+  if masking:
+    return "chunked" if length > AUTO_CHUNKED_MIN_TOKENS else "xla"
   backend = target_platform()
   if backend == "tpu":  # splash needs shard_map on several devices: only with the mesh in context
     return "splash" if jax.device_count() == 1 or _context_mesh() is not None else "chunked"
@@ -57,28 +68,40 @@ def resolve(impl: str, length: int, dtype=jnp.float32, packed: bool = False) -> 
 
 
 def attend(q, k, v, *, token_mask=None, segment_ids=None, impl: str = "auto", block_q: int = DEFAULT_BLOCK,
-           block_k: int = DEFAULT_BLOCK, interpret: bool | None = None):
+           block_k: int = DEFAULT_BLOCK, interpret: bool | None = None, positions=None, window=None,
+           scale: float | None = None, softcap: float | None = None):
   """Causal self-attention of T tokens. Returns [B, T, K, R, Dh] in q's dtype.
 
   q: [B, T, K, R, Dh]; k, v: [B, T, K, Dh]; token_mask: [B, T] bool (None = all real);
-  segment_ids: [B, T] int32 (None = one segment per row). Scores are scaled by 1 / sqrt(Dh)
-  and computed in float32. block_q / block_k: chunked's block sizes (splash uses block_q);
-  T need not be a multiple of them. interpret: run splash in Pallas interpret mode (None =
-  only where it must, which is an error off TPU: interpret mode is for tests).
+  segment_ids: [B, T] int32 (None = one segment per row). Scores are multiplied by `scale` (a
+  Python float; None, the default, divides them by sqrt(Dh)) and computed in float32; with `softcap` (a Python float) they
+  become softcap * tanh(s / softcap) before masking. window: None, or an int32 scalar (may be
+  traced: a layer's flag picks it) with positions [B, T] int32: a query sees only keys whose
+  position is > its own minus window. block_q / block_k: chunked's block sizes (splash uses
+  block_q); T need not be a multiple of them. interpret: run splash in Pallas interpret mode
+  (None = only where it must, which is an error off TPU: interpret mode is for tests).
   """
   b, t = q.shape[:2]
   if k.shape[1] != t:
     raise ValueError(f"attend is self-attention: q has {t} tokens, k has {k.shape[1]}.")
   if token_mask is None:
     token_mask = jnp.ones((b, t), bool)
-  impl = resolve(impl, t, q.dtype, segment_ids is not None)
+  if window is not None and positions is None:
+    raise ValueError("attend: a sliding `window` needs the tokens' `positions` [B, T].")
+  scale = None if scale is None else float(scale)
+  masking = window is not None or softcap is not None
+  impl = resolve(impl, t, q.dtype, segment_ids is not None, masking)
   if impl == "xla":
-    return _xla(q, k, v, token_mask, segment_ids)
+    return _xla(q, k, v, token_mask, segment_ids, positions, window, scale, softcap)
   if impl == "chunked":
-    return _chunked(q, k, v, token_mask, segment_ids, block_q, block_k)
+    return _chunked(q, k, v, token_mask, segment_ids, block_q, block_k, positions, window, scale, softcap)
+  if masking:
+    raise ConfigError(f"config.model.attention={impl!r} implements neither attention soft-capping nor sliding "
+                      "windows, which this model (Gemma) needs; set config.model.attention to 'auto', 'chunked' "
+                      "or 'xla'.")
   if impl == "cudnn":
-    return _cudnn(q, k, v, token_mask, segment_ids)
-  return _splash(q, k, v, token_mask, segment_ids, block_q, interpret)
+    return _cudnn(q, k, v, token_mask, segment_ids, scale=scale)
+  return _splash(q, k, v, token_mask, segment_ids, block_q, interpret, scale)
 
 
 def _valid_rows(out, token_mask):
@@ -88,14 +111,25 @@ def _valid_rows(out, token_mask):
 
 # ---- xla: the reference -------------------------------------------------------------------------
 
-def _xla(q, k, v, token_mask, segment_ids):
+def _softcap(s, cap):
+  return s if cap is None else cap * jnp.tanh(s / cap)
+
+
+def _scaled(s, scale, dh):
+  """Scores s times `scale`, or divided by sqrt(dh) when scale is None (the default's exact bits)."""
+  return s / math.sqrt(dh) if scale is None else s * scale
+
+
+def _xla(q, k, v, token_mask, segment_ids, positions=None, window=None, scale=None, softcap=None):
   """Full scores [B, K, R, T, T] in float32 and a [B, T, T] mask; memory grows with T^2."""
   t, dh = q.shape[1], q.shape[-1]
   mask = jnp.tril(jnp.ones((t, t), bool))[None] & token_mask[:, None, :]  # [B, T, S]
   if segment_ids is not None:
     mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+  if window is not None:
+    mask = mask & ((positions[:, :, None] - positions[:, None, :]) < window)
   scores = jnp.einsum("btkrd,bskd->bkrts", q, k, preferred_element_type=jnp.float32)  # [B, K, R, T, S]
-  scores = jnp.where(mask[:, None, None, :, :], scores / math.sqrt(dh), _MASK_VALUE)
+  scores = jnp.where(mask[:, None, None, :, :], _softcap(_scaled(scores, scale, dh), softcap), _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkrts,bskd->btkrd", probs, v)  # [B, T, K, R, Dh]
   return _valid_rows(out, token_mask)
@@ -113,40 +147,53 @@ def _pad_axis(x, length: int, axis: int, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
-def _chunked(q, k, v, token_mask, segment_ids, block_q, block_k):
+def _chunked(q, k, v, token_mask, segment_ids, block_q, block_k, positions=None, window=None, scale=None,
+             softcap=None):
   """Pads T up to the blocks, runs `_flash` in the [B, K, T, R, Dh] layout, slices back."""
   b, t, kh, r, dh = q.shape
   bq, bk = min(block_q, t), min(block_k, t)
   tq, tk = _round_up(t, bq), _round_up(t, bk)
   if segment_ids is None:
     segment_ids = jnp.zeros((b, t), jnp.int32)
+  if window is None:   # no window: every distance is inside it
+    positions, window = jnp.zeros((b, t), jnp.int32), jnp.iinfo(jnp.int32).max
+  window = jnp.asarray(window, jnp.int32)
   qt = _pad_axis(q.transpose(0, 2, 1, 3, 4), tq, 2)  # [B, K, Tq, R, Dh]
   kt = _pad_axis(k.transpose(0, 2, 1, 3), tk, 2)     # [B, K, Tk, Dh]
   vt = _pad_axis(v.transpose(0, 2, 1, 3), tk, 2)
   q_valid, k_valid = _pad_axis(token_mask, tq, 1, False), _pad_axis(token_mask, tk, 1, False)
   q_seg, k_seg = _pad_axis(segment_ids, tq, 1), _pad_axis(segment_ids, tk, 1)
-  out = _flash(qt, kt, vt, q_valid, k_valid, q_seg, k_seg, bq, bk)
+  q_pos, k_pos = _pad_axis(positions.astype(jnp.int32), tq, 1), _pad_axis(positions.astype(jnp.int32), tk, 1)
+  out = _flash(qt, kt, vt, (q_valid, k_valid, q_seg, k_seg, q_pos, k_pos, window), bq, bk, scale, softcap)
   return out[:, :, :t].transpose(0, 2, 1, 3, 4)
 
 
-def _block_mask(i, j, bq, bk, q_valid, k_valid, q_seg, k_seg):
-  """[B, 1, bq, 1, bk] bool: query block i may see key block j (causal, padding, segments)."""
+def _block_mask(i, j, bq, bk, masks):
+  """[B, 1, bq, 1, bk] bool: query block i may see key block j (causal, padding, segments, window).
+
+  masks: (q_valid, k_valid, q_seg, k_seg, q_pos, k_pos, window) as `_flash` takes them.
+  """
+  q_valid, k_valid, q_seg, k_seg, q_pos, k_pos, window = masks
   qi = i * bq + jnp.arange(bq)
   kj = j * bk + jnp.arange(bk)
-  qv = jax.lax.dynamic_slice_in_dim(q_valid, i * bq, bq, axis=1)
-  kv = jax.lax.dynamic_slice_in_dim(k_valid, j * bk, bk, axis=1)
-  qs = jax.lax.dynamic_slice_in_dim(q_seg, i * bq, bq, axis=1)
-  ks = jax.lax.dynamic_slice_in_dim(k_seg, j * bk, bk, axis=1)
+  q_rows = lambda x: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1)
+  k_rows = lambda x: jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)
+  qv, kv, qs, ks, qp, kp = q_rows(q_valid), k_rows(k_valid), q_rows(q_seg), k_rows(k_seg), q_rows(q_pos), k_rows(k_pos)
   mask = (kj[None, :] <= qi[:, None])[None] & qv[:, :, None] & kv[:, None, :] & (qs[:, :, None] == ks[:, None, :])
+  mask = mask & ((qp[:, :, None] - kp[:, None, :]) < window)
   return mask[:, None, :, None, :]
 
 
-def _block_scores(q, k, i, j, bq, bk):
-  """Scaled float32 scores of query block i against key block j: [B, K, bq, R, bk]."""
+def _block_scores(q, k, i, j, bq, bk, scale, softcap):
+  """Scaled (and soft-capped) float32 scores of query block i against key block j, [B, K, bq, R, bk],
+  and their derivative with respect to the scaled scores (None without soft-capping)."""
   qi = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=2)
   kj = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
-  s = jnp.einsum("bkqrd,bksd->bkqrs", qi, kj, preferred_element_type=jnp.float32)  # [B, K, bq, R, bk]
-  return s / math.sqrt(q.shape[-1])
+  s = _scaled(jnp.einsum("bkqrd,bksd->bkqrs", qi, kj, preferred_element_type=jnp.float32), scale, q.shape[-1])
+  if softcap is None:
+    return s, None
+  th = jnp.tanh(s / softcap)
+  return softcap * th, 1.0 - th * th
 
 
 def _last_key_block(i, bq, bk, num_k):
@@ -154,7 +201,7 @@ def _last_key_block(i, bq, bk, num_k):
   return jnp.minimum(((i + 1) * bq - 1) // bk + 1, num_k)
 
 
-def _flash_forward(q, k, v, q_valid, k_valid, q_seg, k_seg, bq, bk):
+def _flash_forward(q, k, v, masks, bq, bk, scale, softcap):
   """out [B, K, Tq, R, Dh] (q's dtype) and lse [B, K, Tq, R] float32 (0 on rows that see nothing).
 
   Query blocks in turn; for each, the key blocks up to the diagonal in turn, carrying the running
@@ -168,8 +215,8 @@ def _flash_forward(q, k, v, q_valid, k_valid, q_seg, k_seg, bq, bk):
 
     def k_block(j, state):
       m, l, acc = state
-      mask = _block_mask(i, j, bq, bk, q_valid, k_valid, q_seg, k_seg)
-      s = jnp.where(mask, _block_scores(q, k, i, j, bq, bk), _MASK_VALUE)
+      mask = _block_mask(i, j, bq, bk, masks)
+      s = jnp.where(mask, _block_scores(q, k, i, j, bq, bk, scale, softcap)[0], _MASK_VALUE)
       m_new = jnp.maximum(m, s.max(axis=-1))
       p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # [B, K, bq, R, bk]
       corr = jnp.exp(m - m_new)
@@ -190,30 +237,32 @@ def _flash_forward(q, k, v, q_valid, k_valid, q_seg, k_seg, bq, bk):
   return jax.lax.fori_loop(0, num_q, q_block, init)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _flash(q, k, v, q_valid, k_valid, q_seg, k_seg, bq, bk):
-  """q: [B, K, Tq, R, Dh]; k, v: [B, K, Tk, Dh]; q_valid, q_seg: [B, Tq]; k_valid, k_seg: [B, Tk].
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, masks, bq, bk, scale, softcap):
+  """q: [B, K, Tq, R, Dh]; k, v: [B, K, Tk, Dh]; masks: (q_valid, k_valid, q_seg, k_seg, q_pos,
+  k_pos, window): q_valid, q_seg, q_pos [B, Tq]; k_valid, k_seg, k_pos [B, Tk]; window [] int32.
 
-  Tq, Tk are multiples of bq, bk. Returns [B, K, Tq, R, Dh].
+  Tq, Tk are multiples of bq, bk. scale, softcap: Python floats (softcap may be None).
+  Returns [B, K, Tq, R, Dh].
   """
-  return _flash_forward(q, k, v, q_valid, k_valid, q_seg, k_seg, bq, bk)[0]
+  return _flash_forward(q, k, v, masks, bq, bk, scale, softcap)[0]
 
 
-def _flash_fwd(q, k, v, q_valid, k_valid, q_seg, k_seg, bq, bk):
-  out, lse = _flash_forward(q, k, v, q_valid, k_valid, q_seg, k_seg, bq, bk)
-  return out, (q, k, v, q_valid, k_valid, q_seg, k_seg, out, lse)
+def _flash_fwd(q, k, v, masks, bq, bk, scale, softcap):
+  out, lse = _flash_forward(q, k, v, masks, bq, bk, scale, softcap)
+  return out, (q, k, v, masks, out, lse)
 
 
-def _flash_bwd(bq, bk, res, dout):
+def _flash_bwd(bq, bk, scale, softcap, res, dout):
   """Key blocks in turn; for each, the query blocks from the diagonal on, recomputing p.
 
   dk, dv of the key block are carried ([B, K, bk, Dh] float32); dq [B, K, Tq, R, Dh] float32 is
   accumulated in place. Rows that saw nothing have p = 0, so they pass no gradient.
   """
-  q, k, v, q_valid, k_valid, q_seg, k_seg, out, lse = res
+  q, k, v, masks, out, lse = res
   b, kh, tq, r, dh = q.shape
   num_q, num_k = tq // bq, k.shape[2] // bk
-  scale = 1.0 / math.sqrt(dh)
+  ds_scale = 1.0 / math.sqrt(dh) if scale is None else scale
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, K, Tq, R]
 
   def k_block(j, carry):
@@ -223,14 +272,17 @@ def _flash_bwd(bq, bk, res, dout):
 
     def q_block(i, state):
       dq, dkj, dvj = state
-      mask = _block_mask(i, j, bq, bk, q_valid, k_valid, q_seg, k_seg)
+      mask = _block_mask(i, j, bq, bk, masks)
       lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=2)
-      p = jnp.where(mask, jnp.exp(_block_scores(q, k, i, j, bq, bk) - lse_i[..., None]), 0.0)  # [B, K, bq, R, bk]
+      s, slope = _block_scores(q, k, i, j, bq, bk, scale, softcap)
+      p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)  # [B, K, bq, R, bk]
       qi = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=2)
       doi = jax.lax.dynamic_slice_in_dim(dout, i * bq, bq, axis=2)
       dvj = dvj + jnp.einsum("bkqrs,bkqrd->bksd", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
       dp = jnp.einsum("bkqrd,bksd->bkqrs", doi, vj, preferred_element_type=jnp.float32)
-      ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=2)[..., None]) * scale
+      ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=2)[..., None]) * ds_scale
+      if slope is not None:   # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+        ds = ds * slope
       dqi = jnp.einsum("bkqrs,bksd->bkqrd", ds.astype(kj.dtype), kj, preferred_element_type=jnp.float32)
       dq = jax.lax.dynamic_update_slice_in_dim(
           dq, jax.lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=2) + dqi, i * bq, axis=2)
@@ -244,7 +296,7 @@ def _flash_bwd(bq, bk, res, dout):
 
   init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   dq, dk, dv = jax.lax.fori_loop(0, num_k, k_block, init)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -252,7 +304,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # ---- cudnn ---------------------------------------------------------------------------------------
 
-def _cudnn(q, k, v, token_mask, segment_ids, implementation: str = "cudnn"):
+def _cudnn(q, k, v, token_mask, segment_ids, implementation: str = "cudnn", scale=None):
   """cuDNN flash attention through `jax.nn.dot_product_attention`.
 
   cuDNN's padding is per-row lengths (padding on the right only), so each row's real tokens are
@@ -280,7 +332,7 @@ def _cudnn(q, k, v, token_mask, segment_ids, implementation: str = "cudnn"):
     mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [B, 1, T, T]
   out = jax.nn.dot_product_attention(
       take(q, order).reshape(b, t, kh * r, dh), take(k, order), take(v, order), mask=mask, is_causal=True,
-      query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation=implementation)
+      query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation=implementation, scale=scale)
   return _valid_rows(take(out.reshape(b, t, kh, r, dh), inverse), token_mask)
 
 
@@ -297,14 +349,14 @@ def _splash_kernel(length: int, heads: int, block: int, interpret: bool):
     return sa.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
-def _splash(q, k, v, token_mask, segment_ids, block, interpret):
+def _splash(q, k, v, token_mask, segment_ids, block, interpret, scale=None):
   """Splash attention: causal block sparsity from a static mask, padding and packing from segment ids.
 
   Padding tokens get their own segment (`_PAD_SEGMENT`), so every row sees at least itself, as
   the kernel requires; their outputs are then zeroed. T is padded to a multiple of the block
   (a multiple of 128). The kernel has no batch axis: it is vmapped over B, and inside a mesh
   context it runs under `shard_map` with the batch and KV heads sharded as the logical-axis rules
-  say. Scores are scaled by folding 1 / sqrt(Dh) into q.
+  say. Scores are scaled by folding `scale` (default 1 / sqrt(Dh)) into q.
   """
   if interpret is None:
     if target_platform() != "tpu":
@@ -316,7 +368,7 @@ def _splash(q, k, v, token_mask, segment_ids, block, interpret):
   tp = _round_up(t, blk)
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   seg = _pad_axis(jnp.where(token_mask, seg, _PAD_SEGMENT), tp, 1, _PAD_SEGMENT)  # [B, Tp]
-  qh = (q.astype(jnp.float32) / math.sqrt(dh)).astype(q.dtype)
+  qh = _scaled(q.astype(jnp.float32), scale, dh).astype(q.dtype)
   qh = _pad_axis(qh.reshape(b, t, kh * r, dh).transpose(0, 2, 1, 3), tp, 2)  # [B, H, Tp, Dh]
   kt = _pad_axis(k.transpose(0, 2, 1, 3), tp, 2)  # [B, K, Tp, Dh]
   vt = _pad_axis(v.transpose(0, 2, 1, 3), tp, 2)

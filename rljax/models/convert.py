@@ -2,6 +2,12 @@
 
 HF stores linear weights as [out, in]; rljax stores kernels as [in, ..., out] with
 heads split out, and stacks layers on a leading axis (for `nn.scan`).
+
+Norms: rljax's `post_attn_norm` is the norm before the MLP in every family: HF's
+`post_attention_layernorm` for Llama / Qwen, `pre_feedforward_layernorm` for Gemma, whose
+`post_attention_layernorm` / `post_feedforward_layernorm` normalise the attention / MLP outputs
+(rljax's `attn_out_norm` / `mlp_out_norm`, present with `sandwich_norms`). Gemma's norm weights
+are stored as the offset w of the (1 + w) scale, in HF and in rljax alike.
 """
 from __future__ import annotations
 
@@ -26,9 +32,10 @@ def _layer_specs(c: ModelConfig):
 
   ident = (lambda w: w, lambda w: w)
   transpose = (lambda w: w.T, lambda w: w.T)
+  pre_mlp = "pre_feedforward_layernorm.weight" if c.sandwich_norms else "post_attention_layernorm.weight"
   specs = [
       (("input_norm", "scale"), "input_layernorm.weight", *ident),
-      (("post_attn_norm", "scale"), "post_attention_layernorm.weight", *ident),
+      (("post_attn_norm", "scale"), pre_mlp, *ident),
       (("attn", "q_kernel"), "self_attn.q_proj.weight", *qkv(h)),
       (("attn", "k_kernel"), "self_attn.k_proj.weight", *qkv(k)),
       (("attn", "v_kernel"), "self_attn.v_proj.weight", *qkv(k)),
@@ -45,6 +52,9 @@ def _layer_specs(c: ModelConfig):
   if c.qk_norm:
     specs += [(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", *ident),
               (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", *ident)]
+  if c.sandwich_norms:
+    specs += [(("attn_out_norm", "scale"), "post_attention_layernorm.weight", *ident),
+              (("mlp_out_norm", "scale"), "post_feedforward_layernorm.weight", *ident)]
   return specs
 
 
@@ -58,6 +68,8 @@ def _expected_hf_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
       "self_attn.q_proj.bias": (h * dh,), "self_attn.k_proj.bias": (k * dh,), "self_attn.v_proj.bias": (k * dh,),
       "self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,),
   }
+  if c.sandwich_norms:
+    per_layer.update({"pre_feedforward_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,)})
   out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
   for i in range(c.num_layers):
     for suffix, shape in per_layer.items():

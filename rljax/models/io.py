@@ -353,6 +353,7 @@ def _param_shape(c: ModelConfig, path) -> tuple[int, ...]:
     return top[path]
   per_layer = {
       ("input_norm", "scale"): (d,), ("post_attn_norm", "scale"): (d,),
+      ("attn_out_norm", "scale"): (d,), ("mlp_out_norm", "scale"): (d,),
       ("attn", "q_kernel"): (d, h, dh), ("attn", "k_kernel"): (d, k, dh), ("attn", "v_kernel"): (d, k, dh),
       ("attn", "o_kernel"): (h, dh, d), ("attn", "q_bias"): (h, dh), ("attn", "k_bias"): (k, dh),
       ("attn", "v_bias"): (k, dh), ("attn", "q_norm", "scale"): (dh,), ("attn", "k_norm", "scale"): (dh,),

@@ -1,4 +1,4 @@
-"""The decoder-only transformer (Llama / Qwen2 / Qwen3), written with Flax linen.
+"""The decoder-only transformer (Llama / Qwen2 / Qwen3 / Gemma 2 / Gemma 3), written with Flax linen.
 
 Shapes: B = batch, T = new tokens in this call, S = KV-cache slots, D = hidden,
 H / K = query / key-value heads, Dh = head dim, F = MLP width, V = vocab, L = layers.
@@ -15,9 +15,17 @@ One forward serves training, prefill and decode:
 Positions are explicit ([B, T] int32) so left-padded prompts get the same RoPE
 phases as unpadded ones. Layers are stacked and run with `nn.scan`, so compile
 time does not grow with depth.
+
+Per-layer differences (Gemma's sliding-window layers and their RoPE base) are data, not
+code: a [L] bool array of sliding flags is scanned with the layers, and a layer selects its
+mask, window and RoPE tables with `jnp.where` on its flag. A sliding layer lets a query at
+position p see keys at positions > p - W (`config.sliding_window`), HF's window; with a cache,
+a key's position is the number of real tokens before it in its row (prefix included), which is
+how every caller numbers positions (`positions_from_mask`, the decode loops).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -62,22 +70,51 @@ def _param(module: nn.Module, name: str, init, shape, axes, dtype):
 
 
 class RMSNorm(nn.Module):
+  """RMSNorm over the last axis, computed in float32. With `offset` (Gemma) the scale is
+  (1 + weight) and the weight starts at zero; otherwise the scale is the weight, starting at one."""
   eps: float
   axis_name: str = "norm"
   param_dtype: Any = jnp.float32
+  offset: bool = False
 
   @nn.compact
   def __call__(self, x):
-    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis_name,), self.param_dtype)
+    init = nn.initializers.zeros if self.offset else nn.initializers.ones
+    scale = _param(self, "scale", init, (x.shape[-1],), (self.axis_name,), self.param_dtype)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (scale.astype(jnp.float32) * x32).astype(x.dtype)
+    scale32 = scale.astype(jnp.float32)
+    if self.offset:
+      scale32 = 1.0 + scale32
+    return (scale32 * x32).astype(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> jax.Array:
-  """[Dh/2] inverse frequencies, with Llama 3 scaling when configured."""
+def make_norm(config: ModelConfig, axis_name: str = "norm", name: str | None = None) -> RMSNorm:
+  """The model's RMSNorm (eps, storage dtype, Gemma's (1 + w) offset) for one norm."""
+  return RMSNorm(config.rms_norm_eps, axis_name, config.storage_dtype, config.norm_offset, name=name)
+
+
+def embed_tokens(config: ModelConfig, embedding: jax.Array, tokens: jax.Array) -> jax.Array:
+  """tokens [B, T] -> [B, T, D] in the compute dtype; times sqrt(D) (rounded to the compute dtype,
+  as transformers does) when `config.embed_scale` (Gemma)."""
+  x = jnp.take(embedding, tokens, axis=0).astype(config.compute_dtype)
+  if config.embed_scale:
+    x = x * jnp.asarray(math.sqrt(config.hidden_size), config.compute_dtype)
+  return x
+
+
+def sliding_flags(config: ModelConfig) -> jax.Array:
+  """[L] bool: which layers attend within the sliding window (all False without one)."""
+  flags = config.sliding_layers if config.has_sliding_layers else (False,) * config.num_layers
+  return jnp.asarray(flags, bool)
+
+
+def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> jax.Array:
+  """[Dh/2] inverse frequencies for base `theta` (default config.rope_theta), with Llama 3 scaling
+  when configured."""
   dh = config.head_dim
-  inv = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  theta = config.rope_theta if theta is None else theta
+  inv = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
   rs = config.rope_scaling
   if rs is None:
     return inv
@@ -92,11 +129,41 @@ def rope_inv_freq(config: ModelConfig) -> jax.Array:
   return jnp.where(is_mid, mid, scaled)
 
 
-def rope_tables(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-  """cos, sin: [B, T, Dh] float32 for positions [B, T] (HF half-split layout)."""
-  freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(config)
+def rope_tables(positions: jax.Array, config: ModelConfig, theta: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """cos, sin: [B, T, Dh] float32 for positions [B, T] (HF half-split layout), base `theta`
+  (default config.rope_theta)."""
+  freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(config, theta)
   emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb), jnp.sin(emb)
+
+
+def layer_rope(positions: jax.Array, config: ModelConfig):
+  """The RoPE tables the layers take: (cos, sin) [B, T, Dh], or, with a separate base for the
+  sliding layers (Gemma 3), ((cos, sin) global, (cos, sin) local), selected per layer."""
+  glob = rope_tables(positions, config)
+  if config.rope_local_theta is None or not config.has_sliding_layers:
+    return glob
+  return glob, rope_tables(positions, config, config.rope_local_theta)
+
+
+def _select_rope(config: ModelConfig, rope, sliding):
+  """(cos, sin) of one layer from `layer_rope`'s tables and its sliding flag ([] bool)."""
+  if config.rope_local_theta is None or not config.has_sliding_layers:
+    return rope
+  (gc, gs), (lc, ls) = rope
+  return jnp.where(sliding, lc, gc), jnp.where(sliding, ls, gs)
+
+
+def cache_key_positions(kv_mask: jax.Array, before=None) -> jax.Array:
+  """[B, S] int32 position of the token in each cache slot: the real tokens before it in the row
+  (`before` [B] int32 more of them ahead of the cache, e.g. a shared prompt cache)."""
+  pos = jnp.cumsum(kv_mask.astype(jnp.int32), axis=-1) - 1
+  return pos if before is None else pos + before[:, None]
+
+
+def window_mask(config: ModelConfig, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+  """[B, T, S] bool: key within the sliding window of the query, q_positions [B, T], k_positions [B, S]."""
+  return (q_positions[:, :, None] - k_positions[:, None, :]) < config.sliding_window
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -111,14 +178,19 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, cos, sin, mask, layer_cache, prefix=None):
+  def __call__(self, x, cos, sin, mask, layer_cache, prefix=None, sliding=None):
     """x: [B, T, D]; layer_cache: (k [B, K, Dh, S], v [B, K, S, Dh], index) or None.
 
-    mask: with a cache, [B, T, S] bool; without, (token_mask [B, T] bool, segment_ids [B, T] int32
-    or None), which `attend` turns into causal, padding and segment masking block by block.
+    mask: with a cache, [B, T, S] bool, or (global, local) [B, T, S] bool pairs when the model has
+    sliding layers; without, (token_mask [B, T] bool, segment_ids [B, T] int32 or None,
+    positions [B, T] int32), which `attend` turns into causal, padding, segment and window
+    masking block by block.
 
     prefix (with a cache only): a read-only cache shared by groups of B / P consecutive rows,
-    (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp] bool), attended before the row's own cache.
+    (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp] bool), attended before the row's own cache;
+    with sliding layers a fourth entry, the [B, T, Sp] bool window of each row's queries.
+
+    sliding: [] bool, this layer attends within `config.sliding_window` (None = no sliding layers).
     """
     c = self.config
     dt, pdt = c.compute_dtype, c.storage_dtype
@@ -135,34 +207,46 @@ class Attention(nn.Module):
 
     q, key, val = proj("q", h, "heads"), proj("k", k, "kv_heads"), proj("v", k, "kv_heads")
     if c.qk_norm:
-      q = RMSNorm(c.rms_norm_eps, "head_dim", pdt, name="q_norm")(q)
-      key = RMSNorm(c.rms_norm_eps, "head_dim", pdt, name="k_norm")(key)
+      q = make_norm(c, "head_dim", name="q_norm")(q)
+      key = make_norm(c, "head_dim", name="k_norm")(key)
     q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
 
     b, t = x.shape[:2]
     qg = q.reshape(b, t, k, h // k, dh)
     new_cache = None
     if layer_cache is None:
-      token_mask, segment_ids = mask
-      out = attend(qg, key, val, token_mask=token_mask, segment_ids=segment_ids, impl=c.attention)
+      token_mask, segment_ids, positions = mask
+      window = None
+      if sliding is not None:   # the global layers' window is larger than any distance
+        window = jnp.where(sliding, jnp.int32(c.sliding_window), jnp.iinfo(jnp.int32).max)
+      out = attend(qg, key, val, token_mask=token_mask, segment_ids=segment_ids, impl=c.attention,
+                   positions=positions, window=window, scale=c.attention_scale, softcap=c.attn_logit_softcap)
     else:
       ck, cv, index = layer_cache
       ck = jax.lax.dynamic_update_slice_in_dim(ck, key.transpose(0, 2, 3, 1).astype(ck.dtype), index, axis=3)
       cv = jax.lax.dynamic_update_slice_in_dim(cv, val.transpose(0, 2, 1, 3).astype(cv.dtype), index, axis=2)
       new_cache = (ck, cv)
-      out = _cached_attention(qg, ck.astype(dt), cv.astype(dt), mask, prefix)
+      prefix_rows = None
+      if sliding is not None:
+        mask = jnp.where(sliding, mask[1], mask[0])
+        if prefix is not None:
+          prefix, prefix_rows = prefix[:3], prefix[3] | ~sliding
+      out = _cached_attention(qg, ck.astype(dt), cv.astype(dt), mask, prefix, scale=c.attention_scale,
+                              softcap=c.attn_logit_softcap, prefix_rows=prefix_rows)
     out = out.reshape(b, t, h, dh)
     wo = _param(self, "o_kernel", init, (h, dh, d), ("heads", "head_dim", "embed"), pdt)
     return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_cache
 
 
-def _cached_attention(q, k, v, mask, prefix=None):
+def _cached_attention(q, k, v, mask, prefix=None, scale=None, softcap=None, prefix_rows=None):
   """Attention of T new tokens per row over the row's cache and, optionally, a shared prefix.
 
   q: [B, T, K, R, Dh] (R = query heads per KV head); k: [B, K, Dh, S]; v: [B, K, S, Dh];
   mask: [B, T, S] bool; prefix: None or (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp]), a
   read-only cache shared by each group of B / P consecutive rows and attended before the row's
-  own slots. Returns [B, T, K, R, Dh].
+  own slots; prefix_rows: None or [B, T, Sp] bool, a further per-query mask of the prefix (a
+  sliding window). Scores are q.k * scale (default: q.k / sqrt(Dh)), then soft-capped
+  (cap * tanh(s / cap)) when `softcap` is set, then masked. Returns [B, T, K, R, Dh].
 
   For one token (decode) a row's cache is read with products summed in place: one pass over the
   cache, where batched matmuls with R-row operands run far below memory speed on CPU. The shared
@@ -170,12 +254,13 @@ def _cached_attention(q, k, v, mask, prefix=None):
   instead of once per row.
   """
   b, t, kh, r, dh = q.shape
+  scaled = lambda s: s / math.sqrt(dh) if scale is None else s * scale
   if t == 1:
     q1 = q[:, 0].astype(jnp.float32)  # [B, K, R, Dh]
     scores = jnp.sum(q1[..., None] * k[:, :, None].astype(jnp.float32), axis=3)[:, :, None]  # [B, K, 1, R, S]
   else:
     scores = jnp.einsum("btkrd,bkds->bktrs", q, k, preferred_element_type=jnp.float32)
-  scores = jnp.where(mask[:, None, :, None, :], scores / math.sqrt(dh), _MASK_VALUE)
+  scores = jnp.where(mask[:, None, :, None, :], _softcap(scaled(scores), softcap), _MASK_VALUE)
   if prefix is not None:
     pk, pv, pmask = prefix
     p, n = pk.shape[0], pk.shape[-1]
@@ -184,9 +269,11 @@ def _cached_attention(q, k, v, mask, prefix=None):
     grouped = lambda x: x.reshape(p, g, kh, rows, -1).transpose(0, 2, 1, 3, 4).reshape(p, kh, g * rows, x.shape[-1])
     ungrouped = lambda x: x.reshape(p, kh, g, t, r, -1).transpose(0, 2, 1, 3, 4, 5).reshape(b, kh, t, r, x.shape[-1])
     qk = q.transpose(0, 2, 1, 3, 4).astype(jnp.float32)  # [B, K, T, R, Dh]
-    pscores = jnp.einsum("pkqd,pkds->pkqs", grouped(qk), pk.astype(jnp.float32)) / math.sqrt(dh)
-    pscores = jnp.where(pmask[:, None, None, :], pscores, _MASK_VALUE)
-    scores = jnp.concatenate([ungrouped(pscores), scores], axis=-1)
+    pscores = _softcap(scaled(jnp.einsum("pkqd,pkds->pkqs", grouped(qk), pk.astype(jnp.float32))), softcap)
+    pscores = ungrouped(jnp.where(pmask[:, None, None, :], pscores, _MASK_VALUE))  # [B, K, T, R, Sp]
+    if prefix_rows is not None:
+      pscores = jnp.where(prefix_rows[:, None, :, None, :], pscores, _MASK_VALUE)
+    scores = jnp.concatenate([pscores, scores], axis=-1)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, T, R, (Sp +) S]
   if prefix is not None:
     shared = ungrouped(jnp.einsum("pkqs,pksd->pkqd", grouped(probs[..., :n]), pv.astype(v.dtype)))
@@ -200,6 +287,11 @@ def _cached_attention(q, k, v, mask, prefix=None):
   return out
 
 
+def _softcap(x, cap):
+  """cap * tanh(x / cap) (Gemma's soft-capping); x itself when cap is None."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 class MLP(nn.Module):
   config: ModelConfig
 
@@ -211,22 +303,35 @@ class MLP(nn.Module):
     gate = _param(self, "gate_kernel", init, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pdt)
     up = _param(self, "up_kernel", init, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pdt)
     down = _param(self, "down_kernel", init, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), pdt)
-    hidden = jax.nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
+    act = jax.nn.silu if c.hidden_act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+    hidden = act(x @ gate.astype(dt)) * (x @ up.astype(dt))
     return hidden @ down.astype(dt)
 
 
 class DecoderLayer(nn.Module):
+  """One block. `sliding` is this layer's [] bool flag (scanned from `sliding_flags`); `rope` the
+  tables of `layer_rope`. Norms: input_norm before attention, post_attn_norm before the MLP (HF's
+  post_attention_layernorm for Llama / Qwen, pre_feedforward_layernorm for Gemma) and, with
+  `sandwich_norms`, attn_out_norm / mlp_out_norm on each branch's output before its residual add."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, layer_cache, cos, sin, mask, index, prefix=None):
+  def __call__(self, x, layer_cache, sliding, rope, mask, index, prefix=None):
     c = self.config
+    if not c.has_sliding_layers:
+      sliding = None
+    cos, sin = _select_rope(c, rope, sliding)
     cache_in = None if layer_cache is None else (layer_cache[0], layer_cache[1], index)
-    h = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype, name="input_norm")(x)
-    attn, new_cache = Attention(c, name="attn")(h, cos, sin, mask, cache_in, prefix)
+    h = make_norm(c, name="input_norm")(x)
+    attn, new_cache = Attention(c, name="attn")(h, cos, sin, mask, cache_in, prefix, sliding)
+    if c.sandwich_norms:
+      attn = make_norm(c, name="attn_out_norm")(attn)
     x = x + attn
-    h = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype, name="post_attn_norm")(x)
-    x = x + MLP(c, name="mlp")(h)
+    h = make_norm(c, name="post_attn_norm")(x)
+    out = MLP(c, name="mlp")(h)
+    if c.sandwich_norms:
+      out = make_norm(c, name="mlp_out_norm")(out)
+    x = x + out
     x = shd.constrain(x, ("batch", "length", "embed"))
     return x, new_cache
 
@@ -246,11 +351,11 @@ class Transformer(nn.Module):
         layer,
         variable_axes={"params": 0},
         split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
         length=c.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )(c, name="layers")
-    self.final_norm = RMSNorm(c.rms_norm_eps, param_dtype=c.storage_dtype, name="final_norm")
+    self.final_norm = make_norm(c, name="final_norm")
     if not c.tie_word_embeddings:
       self.lm_head = _param(self, "lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size),
                             ("embed", "vocab"), c.storage_dtype)
@@ -266,20 +371,20 @@ class Transformer(nn.Module):
     segment_ids (without a cache only): [B, T] int32, packed rows whose tokens attend only within
     their segment (default None: one segment per row); give each segment its own positions.
 
-    Returns (out, new_cache): out is [B, T, V] float32 logits, or the final-normed
-    hidden states [B, T, D] in the compute dtype when `return_hidden` (for chunked
-    log-probs); new_cache is None when no cache was given.
+    Returns (out, new_cache): out is [B, T, V] float32 logits (soft-capped when
+    `final_logit_softcap`), or the final-normed hidden states [B, T, D] in the compute dtype
+    when `return_hidden` (for chunked log-probs); new_cache is None when no cache was given.
     """
     c = self.config
     b, t = tokens.shape
     if token_mask is None:
       token_mask = jnp.ones((b, t), bool)
-    x = jnp.take(self.embed, tokens, axis=0).astype(c.compute_dtype)
+    x = embed_tokens(c, self.embed, tokens)
     x = shd.constrain(x, ("batch", "length", "embed"))
-    cos, sin = rope_tables(positions, c)
+    rope = layer_rope(positions, c)
 
     if cache is None:
-      mask = (token_mask, segment_ids)  # O(B * T): no [B, T, T] mask (rljax.models.attention)
+      mask = (token_mask, segment_ids, positions)  # O(B * T): no [B, T, T] mask (rljax.models.attention)
       layer_caches, index = None, jnp.zeros((), jnp.int32)
     else:
       if segment_ids is not None:
@@ -290,9 +395,11 @@ class Transformer(nn.Module):
       slots = jnp.arange(s)[None, :]
       query_slots = index + jnp.arange(t)[:, None]
       mask = (slots <= query_slots)[None] & kv_mask[:, None, :]
+      if c.has_sliding_layers:
+        mask = (mask, mask & window_mask(c, positions, cache_key_positions(kv_mask)))
       layer_caches = (cache.k, cache.v)
 
-    x, new_layers = self.layers(x, layer_caches, cos, sin, mask, index)
+    x, new_layers = self.layers(x, layer_caches, sliding_flags(c), rope, mask, index)
     x = self.final_norm(x)
     new_cache = None
     if cache is not None:
@@ -301,12 +408,13 @@ class Transformer(nn.Module):
       return x, new_cache
     logits = jnp.einsum("btd,dv->btv", x, self.output_kernel().astype(c.compute_dtype),
                         preferred_element_type=jnp.float32)
-    return logits, new_cache
+    return _softcap(logits, c.final_logit_softcap), new_cache
 
   def hidden_to_logits(self, hidden):
-    """[..., D] -> [..., V] float32 logits."""
-    return jnp.einsum("...d,dv->...v", hidden, self.output_kernel().astype(self.config.compute_dtype),
-                      preferred_element_type=jnp.float32)
+    """[..., D] -> [..., V] float32 logits (soft-capped when `final_logit_softcap`)."""
+    logits = jnp.einsum("...d,dv->...v", hidden, self.output_kernel().astype(self.config.compute_dtype),
+                        preferred_element_type=jnp.float32)
+    return _softcap(logits, self.config.final_logit_softcap)
 
 
 def positions_from_mask(token_mask: jax.Array) -> jax.Array:

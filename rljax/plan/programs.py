@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rljax import config as config_lib
 from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
-from rljax.models.config import ModelConfig
+from rljax.models.config import ModelConfig, family_switches
 from rljax.plan import hlo
 
 PROGRAMS = ("sampler", "learner", "fused")
@@ -68,7 +68,7 @@ class Run:
 
   def with_layers(self, layers: int) -> "Run":
     """The same run on a model with `layers` layers (for depth extrapolation)."""
-    model = self.model.replace(num_layers=layers)
+    model = self.model.with_num_layers(layers)
     return dataclasses.replace(self, model=model, spec=dataclasses.replace(self.spec, model=model))
 
 
@@ -96,6 +96,7 @@ def model_config(config: ml_collections.ConfigDict) -> tuple[ModelConfig, str]:
     mc = ModelConfig(vocab_size=vocab, hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
                      num_layers=r.num_layers, num_heads=r.num_heads, num_kv_heads=r.num_kv_heads,
                      head_dim=r.head_dim, architecture=r.architecture, tie_word_embeddings=r.tie_word_embeddings,
+                     **family_switches(r.architecture, r.num_layers, r.head_dim),
                      max_position_embeddings=4096)
     source = "random model (config.model.random)"
   else:

@@ -31,7 +31,7 @@ _F32 = jnp.float32
 
 
 def naive_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
-                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                   temperature: float = 1.0, softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
   """Reference implementation that materialises the full fp32 log-softmax.
 
   Args:
@@ -39,11 +39,14 @@ def naive_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
     lm_head: [D, V].
     targets: [B, T] int.
     temperature: logits are divided by it.
+    softcap: None, or c: the logits z become c * tanh(z / c) first (Gemma's final soft-capping).
 
   Returns:
     lp: [B, T] float32 log p(target); ent: [B, T] float32 entropy.
   """
   logits = jnp.einsum("btd,dv->btv", hidden, lm_head, preferred_element_type=_F32)
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
   logp = jax.nn.log_softmax(logits / temperature, axis=-1)
   lp = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
   ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
@@ -52,8 +55,8 @@ def naive_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
 
 def chunked_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
                      temperature: float = 1.0, chunk_size: int = 4096,
-                     precision=None, mesh=None) -> tuple[jax.Array, jax.Array]:
-  """log p(target) and entropy of softmax(hidden @ lm_head / temperature), in fp32.
+                     precision=None, mesh=None, softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """log p(target) and entropy of softmax(cap(hidden @ lm_head) / temperature), in fp32.
 
   Equal (values and gradients, to fp32 rounding) to `naive_logprobs`, without the `[B, T, V]`
   fp32 array. The matmuls take the inputs' dtypes and accumulate in fp32.
@@ -71,6 +74,9 @@ def chunked_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
     mesh: a (data, fsdp, tensor) Mesh to compute on per shard (module doc); default the mesh
       `rljax.sharding.activate` put in scope, if any. Rows are split over the batch axes that
       divide B, vocabulary columns over `tensor` when it divides V.
+    softcap: None (cap is the identity), or a Python float c > 0 (static): the logits z become
+      c * tanh(z / c) before the temperature, as the model's own logits (Gemma's
+      final_logit_softcap); the backward multiplies by 1 - tanh(z / c) ** 2.
 
   Returns:
     lp: [B, T] float32; ent: [B, T] float32.
@@ -88,22 +94,28 @@ def chunked_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
     raise ValueError(f"temperature must be > 0, got {temperature}.")
   if int(chunk_size) < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}.")
+  if softcap is not None:
+    softcap = float(softcap)
+    if not softcap > 0:
+      raise ValueError(f"softcap must be None or > 0, got {softcap}.")
   b, t, d = hidden.shape
   if mesh is None:
     from rljax.sharding import active_mesh
     mesh = active_mesh()
   if mesh is not None and mesh.size > 1:
-    return _sharded_logprobs(hidden, lm_head, targets, 1.0 / temperature, int(chunk_size), precision, mesh)
+    return _sharded_logprobs(hidden, lm_head, targets, 1.0 / temperature, int(chunk_size), precision, mesh, softcap)
   chunk = min(int(chunk_size), lm_head.shape[1])
   # Under explicit sharding the vocabulary loop needs the whole kernel on every device.
   lm_head = replicate(lm_head)
   lp, ent = _lp_ent(hidden.reshape(b * t, d), lm_head, targets.reshape(b * t).astype(jnp.int32),
-                    1.0 / temperature, chunk, precision)
+                    1.0 / temperature, chunk, precision, softcap)
   return lp.reshape(b, t), ent.reshape(b, t)
 
 
-def _chunk(h, w, i, inv_temp, chunk, precision):
-  """Logits of vocabulary chunk i: z [N, C] fp32, column ids [C], fresh [C] bool, w_c [D, C].
+def _chunk(h, w, i, inv_temp, chunk, precision, softcap=None):
+  """Logits of vocabulary chunk i: z [N, C] fp32 (soft-capped, then divided by the temperature),
+  column ids [C], fresh [C] bool, w_c [D, C], start, and slope [N, C], dz/d(h.w) / inv_temp = 1 -
+  tanh^2 of the soft-cap (None without one).
 
   The last chunk is shifted left to stay inside V (no padded copy of lm_head); the columns it
   shares with the previous chunk are marked not fresh and ignored.
@@ -111,12 +123,16 @@ def _chunk(h, w, i, inv_temp, chunk, precision):
   v = w.shape[1]
   start = jnp.minimum(i * chunk, v - chunk)
   w_c = lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
-  z = jnp.dot(h, w_c, preferred_element_type=_F32, precision=precision).astype(_F32) * inv_temp
+  z = jnp.dot(h, w_c, preferred_element_type=_F32, precision=precision).astype(_F32)
+  slope = None
+  if softcap is not None:
+    th = jnp.tanh(z / softcap)
+    z, slope = softcap * th, 1.0 - th * th
   cols = start + jnp.arange(chunk)
-  return z, cols, cols >= i * chunk, w_c, start
+  return z * inv_temp, cols, cols >= i * chunk, w_c, start, slope
 
 
-def _forward_stats(h, w, y, inv_temp, chunk, precision):
+def _forward_stats(h, w, y, inv_temp, chunk, precision, softcap=None):
   """Online log-sum-exp over the chunks of w's columns: (m, s, u, zt), each [N] float32.
 
   m: max logit; s: sum exp(z - m); u: sum exp(z - m) (z - m); zt: the target's logit, 0 for
@@ -126,7 +142,7 @@ def _forward_stats(h, w, y, inv_temp, chunk, precision):
 
   def body(carry, i):
     m, s, u, zt = carry
-    z, cols, fresh, _, _ = _chunk(h, w, i, inv_temp, chunk, precision)
+    z, cols, fresh, _, _, _ = _chunk(h, w, i, inv_temp, chunk, precision, softcap)
     z = jnp.where(fresh, z, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(z, axis=-1))
     alpha = jnp.exp(m - m_new)
@@ -153,12 +169,12 @@ def _finish(m, s, u, zt):
   return zt - lse, log_s - u / s, lse
 
 
-def _forward(h, w, y, inv_temp, chunk, precision):
+def _forward(h, w, y, inv_temp, chunk, precision, softcap=None):
   """lp [N], ent [N], lse [N] over all of w's columns."""
-  return _finish(*_forward_stats(h, w, y, inv_temp, chunk, precision))
+  return _finish(*_forward_stats(h, w, y, inv_temp, chunk, precision, softcap))
 
 
-def _backward(h, w, y, lse, ent, g_lp, g_ent, inv_temp, chunk, precision, w_sharding=None):
+def _backward(h, w, y, lse, ent, g_lp, g_ent, inv_temp, chunk, precision, w_sharding=None, softcap=None):
   """Recomputes each chunk's logits; d lp/dz = onehot - p, d ent/dz = -p (log p + ent).
 
   Returns dh [N, D] float32 and dw like w. `lse` and `ent` are over the whole vocabulary, so w
@@ -168,12 +184,14 @@ def _backward(h, w, y, lse, ent, g_lp, g_ent, inv_temp, chunk, precision, w_shar
 
   def body(carry, i):
     dh, dw = carry
-    z, cols, fresh, w_c, start = _chunk(h, w, i, inv_temp, chunk, precision)
+    z, cols, fresh, w_c, start, slope = _chunk(h, w, i, inv_temp, chunk, precision, softcap)
     logp = z - lse[:, None]
     p = jnp.where(fresh, jnp.exp(logp), 0.0)
     hit = ((cols[None, :] == y[:, None]) & fresh).astype(_F32)
     g_z = g_lp[:, None] * (hit - p) - g_ent[:, None] * p * (logp + ent[:, None])
     g_z = g_z * inv_temp
+    if slope is not None:   # through the soft-cap: d(c tanh(x / c)) / dx = 1 - tanh^2
+      g_z = g_z * slope
     dh = dh + jnp.dot(g_z, w_c.T, preferred_element_type=_F32, precision=precision)
     dw_c = jnp.dot(h.T, g_z, preferred_element_type=_F32, precision=precision,
                    out_sharding=w_sharding)
@@ -188,23 +206,24 @@ def _backward(h, w, y, lse, ent, g_lp, g_ent, inv_temp, chunk, precision, w_shar
   return dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _lp_ent(h, w, y, inv_temp, chunk, precision):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _lp_ent(h, w, y, inv_temp, chunk, precision, softcap):
   """h [N, D], w [D, V], y [N] -> (lp [N], ent [N]) float32."""
-  lp, ent, _ = _forward(h, w, y, inv_temp, chunk, precision)
+  lp, ent, _ = _forward(h, w, y, inv_temp, chunk, precision, softcap)
   return lp, ent
 
 
-def _lp_ent_fwd(h, w, y, inv_temp, chunk, precision):
-  lp, ent, lse = _forward(h, w, y, inv_temp, chunk, precision)
+def _lp_ent_fwd(h, w, y, inv_temp, chunk, precision, softcap):
+  lp, ent, lse = _forward(h, w, y, inv_temp, chunk, precision, softcap)
   return (lp, ent), (h, w, y, lse, ent)
 
 
-def _lp_ent_bwd(inv_temp, chunk, precision, res, cts):
+def _lp_ent_bwd(inv_temp, chunk, precision, softcap, res, cts):
   h, w, y, lse, ent = res
   g_lp, g_ent = cts
   # Under explicit sharding the sum over (sharded) tokens gives a replicated dW.
-  dh, dw = _backward(h, w, y, lse, ent, g_lp, g_ent, inv_temp, chunk, precision, replicated_sharding(w))
+  dh, dw = _backward(h, w, y, lse, ent, g_lp, g_ent, inv_temp, chunk, precision, replicated_sharding(w),
+                     softcap=softcap)
   return dh.astype(h.dtype), dw, None
 
 
@@ -224,29 +243,29 @@ def _layout(mesh, b: int, v: int):
   return rows, vocab
 
 
-def _sharded_logprobs(hidden, lm_head, targets, inv_temp, chunk_size, precision, mesh):
+def _sharded_logprobs(hidden, lm_head, targets, inv_temp, chunk_size, precision, mesh, softcap=None):
   """chunked_logprobs per shard of `mesh` (module doc). hidden [B, T, D] -> lp, ent [B, T]."""
   b, t, d = hidden.shape
   rows, vocab = _layout(mesh, b, lm_head.shape[1])
   local_v = lm_head.shape[1] // (mesh.shape[vocab] if vocab else 1)
   chunk = min(chunk_size, local_v)
   lp, ent = _sharded_lp_ent(hidden.reshape(b * t, d), lm_head, targets.reshape(b * t).astype(jnp.int32),
-                            (inv_temp, chunk, precision, mesh, rows, vocab))
+                            (inv_temp, chunk, precision, mesh, rows, vocab, softcap))
   return lp.reshape(b, t), ent.reshape(b, t)
 
 
 def _specs(static):
   from jax.sharding import PartitionSpec as P
-  _, _, _, _, rows, vocab = static
+  _, _, _, _, rows, vocab, _ = static
   r = rows if rows else None
   return P(r, None), P(None, vocab), P(r)
 
 
 def _local_forward(static, h, w, y):
   """One shard: its rows against its vocabulary columns, then the statistics combined over `tensor`."""
-  inv_temp, chunk, precision, _, _, vocab = static
+  inv_temp, chunk, precision, _, _, vocab, softcap = static
   offset = lax.axis_index(vocab) * w.shape[1] if vocab else 0
-  m, s, u, zt = _forward_stats(h, w, y - offset, inv_temp, chunk, precision)
+  m, s, u, zt = _forward_stats(h, w, y - offset, inv_temp, chunk, precision, softcap)
   if vocab:
     m_all = lax.pmax(m, vocab)
     scale = jnp.exp(m - m_all)
@@ -276,14 +295,14 @@ def _sharded_fwd(h, w, y, static):
 
 
 def _sharded_bwd(static, res, cts):
-  inv_temp, chunk, precision, mesh, rows, vocab = static
+  inv_temp, chunk, precision, mesh, rows, vocab, softcap = static
   h, w, y, lse, ent = res
   g_lp, g_ent = cts
   hs, ws, ys = _specs(static)
 
   def local(h, w, y, lse, ent, g_lp, g_ent):
     offset = lax.axis_index(vocab) * w.shape[1] if vocab else 0
-    dh, dw = _backward(h, w, y - offset, lse, ent, g_lp, g_ent, inv_temp, chunk, precision)
+    dh, dw = _backward(h, w, y - offset, lse, ent, g_lp, g_ent, inv_temp, chunk, precision, softcap=softcap)
     if vocab:
       dh = lax.psum(dh, vocab)      # each vocabulary shard's part of dh
     if rows:

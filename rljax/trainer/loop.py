@@ -39,7 +39,7 @@ def load_policy(model_cfg, tokenizer_path: str = "", mesh=None) -> Policy:
 
   With `mesh` the parameters are created sharded: each process reads only the checkpoint slices
   its devices hold (rljax/models/io.py), and no device ever holds the whole model."""
-  from rljax.models.config import ModelConfig
+  from rljax.models.config import ModelConfig, family_switches
   if model_cfg.path == "random":
     from rljax.tokenizer import load_tokenizer
     tok = load_tokenizer(tokenizer_path) if tokenizer_path else None
@@ -50,6 +50,7 @@ def load_policy(model_cfg, tokenizer_path: str = "", mesh=None) -> Policy:
     mc = ModelConfig(vocab_size=vocab, hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
                      num_layers=r.num_layers, num_heads=r.num_heads, num_kv_heads=r.num_kv_heads,
                      head_dim=r.head_dim, architecture=r.architecture, tie_word_embeddings=r.tie_word_embeddings,
+                     **family_switches(r.architecture, r.num_layers, r.head_dim),
                      eos_token_ids=(tok.eos_id,) if tok is not None and tok.eos_id is not None else (),
                      dtype=model_cfg.dtype, remat=model_cfg.remat, attention=model_cfg.attention,
                      max_position_embeddings=config_lib.RANDOM_MODEL_CONTEXT)
@@ -156,6 +157,9 @@ class Trainer:
     self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
     policy = load_policy(config.model, config.tokenizer, mesh=self.mesh)
     self.model_config, self.tokenizer = policy.config, policy.tokenizer
+    if config.model.path != "random":   # pretrained Gemma weights need <bos> first in every prompt
+      from rljax.data.batching import check_bos
+      check_bos(self.model_config.architecture, self.tokenizer, config.data.chat_template)
     config_lib.check_model_fits(config, self.model_config.max_position_embeddings)
     self.loss_cfg = config_lib.loss_config(config)
     t = config.train

@@ -90,7 +90,8 @@ def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, m
   hidden, _ = apply_model(spec.model, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True)
   hidden = jax.lax.dynamic_slice_in_dim(hidden, lp_len - 1, tokens.shape[1], axis=1)
   return chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
-                          temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk)
+                          temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
+                          softcap=spec.model.final_logit_softcap)
 
 
 def split_groups(x: jax.Array, parts: int, group: int) -> jax.Array:
@@ -221,7 +222,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
       tok, seg, pos = (shd.constrain(x, ("batch", "length")) for x in packing.block_inputs(layout, k, bins))
       hidden, _ = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True)
       lp, ent = chunked_logprobs(hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
-                                 temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk)
+                                 temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
+                                 softcap=spec.model.final_logit_softcap)
       pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)))
       lp, ent = (packing.gather_completion(pad(x), layout, k, bins, t) for x in (lp, ent))
       mask = batch.mask & (layout.block == k)[:, None]
