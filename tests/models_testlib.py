@@ -63,6 +63,19 @@ def ragged_batch(seed: int = 0, batch: int = 4, length: int = 12, vocab: int = V
   return ids, mask
 
 
+def left_padded_prompts(lengths, vocab: int, low: int = 1, seed: int = 0):
+  """(ids [B, max(lengths)] int32, mask [B, max(lengths)] bool): one left-padded prompt of random
+  tokens in [low, vocab) per length, the sampler's input layout."""
+  rng = np.random.default_rng(seed)
+  width = max(lengths)
+  ids = np.zeros((len(lengths), width), np.int32)
+  mask = np.zeros((len(lengths), width), bool)
+  for i, n in enumerate(lengths):
+    ids[i, width - n:] = rng.integers(low, vocab, n)
+    mask[i, width - n:] = True
+  return ids, mask
+
+
 def positions(mask: np.ndarray) -> np.ndarray:
   return np.maximum(np.cumsum(mask, axis=1) - 1, 0)
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from models_testlib import left_padded_prompts
 
 import rljax
 from rljax.errors import ConfigError, WeightsError
@@ -63,14 +64,7 @@ def _hf_model(family: str, seed: int = 0):
 
 
 def _ragged(lengths=LENGTHS, seed=0):
-  rng = np.random.default_rng(seed)
-  width = max(lengths)
-  ids = np.zeros((len(lengths), width), np.int32)
-  mask = np.zeros((len(lengths), width), bool)
-  for i, n in enumerate(lengths):
-    ids[i, width - n:] = rng.integers(3, VOCAB, n)
-    mask[i, width - n:] = True
-  return ids, mask
+  return left_padded_prompts(lengths, VOCAB, low=3, seed=seed)
 
 
 def _long_batch(seed=1):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from models_testlib import left_padded_prompts
 
 from rljax.errors import ConfigError
 from rljax.models.config import ModelConfig
@@ -55,14 +56,7 @@ def _rljax_from_hf(model):
 
 
 def _ragged(lengths=LENGTHS, seed=0):
-  rng = np.random.default_rng(seed)
-  width = max(lengths)
-  ids = np.zeros((len(lengths), width), np.int32)
-  mask = np.zeros((len(lengths), width), bool)
-  for i, n in enumerate(lengths):
-    ids[i, width - n:] = rng.integers(1, VOCAB, n)
-    mask[i, width - n:] = True
-  return ids, mask
+  return left_padded_prompts(lengths, VOCAB, low=1, seed=seed)
 
 
 @pytest.fixture(scope="module")

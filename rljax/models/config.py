@@ -313,15 +313,32 @@ class ModelConfig:
 
   def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
     """A transformers-loadable `config.json` dict (written with both 4.x and 5.x field names)."""
+    if self.architecture in ("gemma2", "gemma3"):
+      return self._to_hf_gemma(dtype)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
     if self.rope_scaling is not None:
       rope_parameters = {"rope_type": "llama3", "rope_theta": self.rope_theta, **dataclasses.asdict(self.rope_scaling)}
-    eos = list(self.eos_token_ids)
-    if self.architecture in ("gemma2", "gemma3"):
-      return self._to_hf_gemma(dtype)
     out = {
+        **self._hf_common(dtype, model_type=self.architecture),
+        "hidden_act": "silu",
+        "rope_theta": self.rope_theta,
+        "rope_parameters": rope_parameters,
+        "rope_scaling": None if self.rope_scaling is None else dict(rope_parameters),
+    }
+    if self.architecture == "llama":
+      out["mlp_bias"] = False
+    if self.architecture in ("qwen2", "qwen3"):
+      out["use_sliding_window"] = False
+      out["sliding_window"] = None
+      out["max_window_layers"] = self.num_layers
+    return out
+
+  def _hf_common(self, dtype: str, model_type: str) -> dict[str, Any]:
+    """The `config.json` fields every family writes the same way."""
+    eos = list(self.eos_token_ids)
+    return {
         "architectures": [_HF_ARCH[self.architecture]],
-        "model_type": self.architecture,
+        "model_type": model_type,
         "vocab_size": self.vocab_size,
         "hidden_size": self.hidden_size,
         "intermediate_size": self.intermediate_size,
@@ -329,11 +346,7 @@ class ModelConfig:
         "num_attention_heads": self.num_heads,
         "num_key_value_heads": self.num_kv_heads,
         "head_dim": self.head_dim,
-        "hidden_act": "silu",
         "rms_norm_eps": self.rms_norm_eps,
-        "rope_theta": self.rope_theta,
-        "rope_parameters": rope_parameters,
-        "rope_scaling": None if self.rope_scaling is None else dict(rope_parameters),
         "max_position_embeddings": self.max_position_embeddings,
         "tie_word_embeddings": self.tie_word_embeddings,
         "attention_bias": self.attention_bias,
@@ -345,13 +358,6 @@ class ModelConfig:
         "torch_dtype": dtype,
         "use_cache": True,
     }
-    if self.architecture == "llama":
-      out["mlp_bias"] = False
-    if self.architecture in ("qwen2", "qwen3"):
-      out["use_sliding_window"] = False
-      out["sliding_window"] = None
-      out["max_window_layers"] = self.num_layers
-    return out
 
   def _to_hf_gemma(self, dtype: str) -> dict[str, Any]:
     """A Gemma2ForCausalLM / Gemma3ForCausalLM `config.json` (4.x and 5.x field names)."""
@@ -365,7 +371,6 @@ class ModelConfig:
     if (self.architecture == "gemma3") != self.qk_norm:
       raise WeightsError(f"model.qk_norm={self.qk_norm} does not match transformers' {self.architecture} "
                          "(Gemma 3 has q/k norms, Gemma 2 does not).")
-    eos = list(self.eos_token_ids)
     sliding = self.sliding_layers or (False,) * self.num_layers
     layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
     local = self.rope_theta if self.rope_local_theta is None else self.rope_local_theta
@@ -373,33 +378,14 @@ class ModelConfig:
       raise WeightsError("model.rope_local_theta differs from model.rope_theta, which Gemma 2 cannot express; "
                          "set model.rope_local_theta=None.")
     out = {
-        "architectures": [_HF_ARCH[self.architecture]],
-        "model_type": _HF_MODEL_TYPE[self.architecture],
-        "vocab_size": self.vocab_size,
-        "hidden_size": self.hidden_size,
-        "intermediate_size": self.intermediate_size,
-        "num_hidden_layers": self.num_layers,
-        "num_attention_heads": self.num_heads,
-        "num_key_value_heads": self.num_kv_heads,
-        "head_dim": self.head_dim,
+        **self._hf_common(dtype, model_type=_HF_MODEL_TYPE[self.architecture]),
         "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": self.rms_norm_eps,
-        "max_position_embeddings": self.max_position_embeddings,
-        "tie_word_embeddings": self.tie_word_embeddings,
-        "attention_bias": self.attention_bias,
-        "attention_dropout": 0.0,
         "query_pre_attn_scalar": _int_if_whole(self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None
                                                else self.head_dim),   # transformers types it int
         "sliding_window": self.sliding_window,
         "layer_types": layer_types,
         "attn_logit_softcapping": self.attn_logit_softcap,
         "final_logit_softcapping": self.final_logit_softcap,
-        "bos_token_id": self.bos_token_id,
-        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-        "pad_token_id": self.pad_token_id,
-        "dtype": dtype,
-        "torch_dtype": dtype,
-        "use_cache": True,
     }
     if self.architecture == "gemma2":
       out["rope_theta"] = self.rope_theta
