@@ -111,11 +111,12 @@ def _valid_rows(out, token_mask):
 
 # ---- xla: the reference -------------------------------------------------------------------------
 
-def _softcap(s, cap):
+def soft_cap(s, cap):
+  """cap * tanh(s / cap) (Gemma's soft-capping of scores); s itself when cap is None."""
   return s if cap is None else cap * jnp.tanh(s / cap)
 
 
-def _scaled(s, scale, dh):
+def scale_scores(s, scale, dh):
   """Scores s times `scale`, or divided by sqrt(dh) when scale is None (the default's exact bits)."""
   return s / math.sqrt(dh) if scale is None else s * scale
 
@@ -129,7 +130,7 @@ def _xla(q, k, v, token_mask, segment_ids, positions=None, window=None, scale=No
   if window is not None:
     mask = mask & ((positions[:, :, None] - positions[:, None, :]) < window)
   scores = jnp.einsum("btkrd,bskd->bkrts", q, k, preferred_element_type=jnp.float32)  # [B, K, R, T, S]
-  scores = jnp.where(mask[:, None, None, :, :], _softcap(_scaled(scores, scale, dh), softcap), _MASK_VALUE)
+  scores = jnp.where(mask[:, None, None, :, :], soft_cap(scale_scores(scores, scale, dh), softcap), _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkrts,bskd->btkrd", probs, v)  # [B, T, K, R, Dh]
   return _valid_rows(out, token_mask)
@@ -155,15 +156,15 @@ def _chunked(q, k, v, token_mask, segment_ids, block_q, block_k, positions=None,
   tq, tk = _round_up(t, bq), _round_up(t, bk)
   if segment_ids is None:
     segment_ids = jnp.zeros((b, t), jnp.int32)
-  if window is None:   # no window: every distance is inside it
-    positions, window = jnp.zeros((b, t), jnp.int32), jnp.iinfo(jnp.int32).max
-  window = jnp.asarray(window, jnp.int32)
+  q_pos = k_pos = None   # no window: no position test in the blocks
+  if window is not None:
+    window = jnp.asarray(window, jnp.int32)
+    q_pos, k_pos = _pad_axis(positions.astype(jnp.int32), tq, 1), _pad_axis(positions.astype(jnp.int32), tk, 1)
   qt = _pad_axis(q.transpose(0, 2, 1, 3, 4), tq, 2)  # [B, K, Tq, R, Dh]
   kt = _pad_axis(k.transpose(0, 2, 1, 3), tk, 2)     # [B, K, Tk, Dh]
   vt = _pad_axis(v.transpose(0, 2, 1, 3), tk, 2)
   q_valid, k_valid = _pad_axis(token_mask, tq, 1, False), _pad_axis(token_mask, tk, 1, False)
   q_seg, k_seg = _pad_axis(segment_ids, tq, 1), _pad_axis(segment_ids, tk, 1)
-  q_pos, k_pos = _pad_axis(positions.astype(jnp.int32), tq, 1), _pad_axis(positions.astype(jnp.int32), tk, 1)
   out = _flash(qt, kt, vt, (q_valid, k_valid, q_seg, k_seg, q_pos, k_pos, window), bq, bk, scale, softcap)
   return out[:, :, :t].transpose(0, 2, 1, 3, 4)
 
@@ -171,16 +172,18 @@ def _chunked(q, k, v, token_mask, segment_ids, block_q, block_k, positions=None,
 def _block_mask(i, j, bq, bk, masks):
   """[B, 1, bq, 1, bk] bool: query block i may see key block j (causal, padding, segments, window).
 
-  masks: (q_valid, k_valid, q_seg, k_seg, q_pos, k_pos, window) as `_flash` takes them.
+  masks: (q_valid, k_valid, q_seg, k_seg, q_pos, k_pos, window) as `_flash` takes them (the last
+  three None without a sliding window).
   """
   q_valid, k_valid, q_seg, k_seg, q_pos, k_pos, window = masks
   qi = i * bq + jnp.arange(bq)
   kj = j * bk + jnp.arange(bk)
   q_rows = lambda x: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1)
   k_rows = lambda x: jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)
-  qv, kv, qs, ks, qp, kp = q_rows(q_valid), k_rows(k_valid), q_rows(q_seg), k_rows(k_seg), q_rows(q_pos), k_rows(k_pos)
+  qv, kv, qs, ks = q_rows(q_valid), k_rows(k_valid), q_rows(q_seg), k_rows(k_seg)
   mask = (kj[None, :] <= qi[:, None])[None] & qv[:, :, None] & kv[:, None, :] & (qs[:, :, None] == ks[:, None, :])
-  mask = mask & ((qp[:, :, None] - kp[:, None, :]) < window)
+  if window is not None:
+    mask = mask & ((q_rows(q_pos)[:, :, None] - k_rows(k_pos)[:, None, :]) < window)
   return mask[:, None, :, None, :]
 
 
@@ -189,7 +192,7 @@ def _block_scores(q, k, i, j, bq, bk, scale, softcap):
   and their derivative with respect to the scaled scores (None without soft-capping)."""
   qi = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=2)
   kj = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
-  s = _scaled(jnp.einsum("bkqrd,bksd->bkqrs", qi, kj, preferred_element_type=jnp.float32), scale, q.shape[-1])
+  s = scale_scores(jnp.einsum("bkqrd,bksd->bkqrs", qi, kj, preferred_element_type=jnp.float32), scale, q.shape[-1])
   if softcap is None:
     return s, None
   th = jnp.tanh(s / softcap)
@@ -240,7 +243,8 @@ def _flash_forward(q, k, v, masks, bq, bk, scale, softcap):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _flash(q, k, v, masks, bq, bk, scale, softcap):
   """q: [B, K, Tq, R, Dh]; k, v: [B, K, Tk, Dh]; masks: (q_valid, k_valid, q_seg, k_seg, q_pos,
-  k_pos, window): q_valid, q_seg, q_pos [B, Tq]; k_valid, k_seg, k_pos [B, Tk]; window [] int32.
+  k_pos, window): q_valid, q_seg, q_pos [B, Tq]; k_valid, k_seg, k_pos [B, Tk]; window [] int32
+  (q_pos, k_pos, window None without a sliding window).
 
   Tq, Tk are multiples of bq, bk. scale, softcap: Python floats (softcap may be None).
   Returns [B, K, Tq, R, Dh].
@@ -368,7 +372,7 @@ def _splash(q, k, v, token_mask, segment_ids, block, interpret, scale=None):
   tp = _round_up(t, blk)
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   seg = _pad_axis(jnp.where(token_mask, seg, _PAD_SEGMENT), tp, 1, _PAD_SEGMENT)  # [B, Tp]
-  qh = _scaled(q.astype(jnp.float32), scale, dh).astype(q.dtype)
+  qh = scale_scores(q.astype(jnp.float32), scale, dh).astype(q.dtype)
   qh = _pad_axis(qh.reshape(b, t, kh * r, dh).transpose(0, 2, 1, 3), tp, 2)  # [B, H, Tp, Dh]
   kt = _pad_axis(k.transpose(0, 2, 1, 3), tp, 2)  # [B, K, Tp, Dh]
   vt = _pad_axis(v.transpose(0, 2, 1, 3), tp, 2)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax import sharding as shd
-from rljax.models.attention import attend
+from rljax.models.attention import attend, scale_scores, soft_cap
 from rljax.models.config import ModelConfig
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -254,13 +254,12 @@ def _cached_attention(q, k, v, mask, prefix=None, scale=None, softcap=None, pref
   instead of once per row.
   """
   b, t, kh, r, dh = q.shape
-  scaled = lambda s: s / math.sqrt(dh) if scale is None else s * scale
   if t == 1:
     q1 = q[:, 0].astype(jnp.float32)  # [B, K, R, Dh]
     scores = jnp.sum(q1[..., None] * k[:, :, None].astype(jnp.float32), axis=3)[:, :, None]  # [B, K, 1, R, S]
   else:
     scores = jnp.einsum("btkrd,bkds->bktrs", q, k, preferred_element_type=jnp.float32)
-  scores = jnp.where(mask[:, None, :, None, :], _softcap(scaled(scores), softcap), _MASK_VALUE)
+  scores = jnp.where(mask[:, None, :, None, :], soft_cap(scale_scores(scores, scale, dh), softcap), _MASK_VALUE)
   if prefix is not None:
     pk, pv, pmask = prefix
     p, n = pk.shape[0], pk.shape[-1]
@@ -269,7 +268,8 @@ def _cached_attention(q, k, v, mask, prefix=None, scale=None, softcap=None, pref
     grouped = lambda x: x.reshape(p, g, kh, rows, -1).transpose(0, 2, 1, 3, 4).reshape(p, kh, g * rows, x.shape[-1])
     ungrouped = lambda x: x.reshape(p, kh, g, t, r, -1).transpose(0, 2, 1, 3, 4, 5).reshape(b, kh, t, r, x.shape[-1])
     qk = q.transpose(0, 2, 1, 3, 4).astype(jnp.float32)  # [B, K, T, R, Dh]
-    pscores = _softcap(scaled(jnp.einsum("pkqd,pkds->pkqs", grouped(qk), pk.astype(jnp.float32))), softcap)
+    pscores = jnp.einsum("pkqd,pkds->pkqs", grouped(qk), pk.astype(jnp.float32))
+    pscores = soft_cap(scale_scores(pscores, scale, dh), softcap)
     pscores = ungrouped(jnp.where(pmask[:, None, None, :], pscores, _MASK_VALUE))  # [B, K, T, R, Sp]
     if prefix_rows is not None:
       pscores = jnp.where(prefix_rows[:, None, :, None, :], pscores, _MASK_VALUE)
@@ -285,11 +285,6 @@ def _cached_attention(q, k, v, mask, prefix=None, scale=None, softcap=None, pref
   if prefix is not None:
     out = out + shared.transpose(0, 2, 1, 3, 4)
   return out
-
-
-def _softcap(x, cap):
-  """cap * tanh(x / cap) (Gemma's soft-capping); x itself when cap is None."""
-  return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 class MLP(nn.Module):
@@ -408,13 +403,13 @@ class Transformer(nn.Module):
       return x, new_cache
     logits = jnp.einsum("btd,dv->btv", x, self.output_kernel().astype(c.compute_dtype),
                         preferred_element_type=jnp.float32)
-    return _softcap(logits, c.final_logit_softcap), new_cache
+    return soft_cap(logits, c.final_logit_softcap), new_cache
 
   def hidden_to_logits(self, hidden):
     """[..., D] -> [..., V] float32 logits (soft-capped when `final_logit_softcap`)."""
     logits = jnp.einsum("...d,dv->...v", hidden, self.output_kernel().astype(self.config.compute_dtype),
                         preferred_element_type=jnp.float32)
-    return _softcap(logits, self.config.final_logit_softcap)
+    return soft_cap(logits, self.config.final_logit_softcap)
 
 
 def positions_from_mask(token_mask: jax.Array) -> jax.Array:
