@@ -35,6 +35,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("length", None),
     ("norm", None),
+    ("lora_rank", None),   # LoRA adapters: sharded like the weight they adapt on its other axes
 )
 
 

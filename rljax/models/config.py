@@ -48,6 +48,41 @@ def family_switches(architecture: str, num_layers: int, head_dim: int) -> dict[s
   return {}
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")   # the projections an adapter can sit on
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters on the named projections (rljax/models/lora.py): W x + (alpha / rank) B A x.
+
+  targets: a subset of LORA_TARGETS (attention q, k, v, o; MLP gate, up, down). dropout: on the
+  adapter's input in the learner's loss forward only (the sampler and every log-prob recompute run
+  without it, PEFT's convention); 0 keeps the sampler-equals-learner property exact in fp32.
+  """
+  rank: int
+  alpha: float = 16.0
+  dropout: float = 0.0
+  targets: tuple[str, ...] = LORA_TARGETS
+
+  def __post_init__(self):
+    object.__setattr__(self, "targets", tuple(str(t) for t in self.targets))
+    if int(self.rank) < 1:
+      raise ConfigError(f"model.lora.rank={self.rank!r} must be a positive integer (0 turns LoRA off).")
+    bad = [t for t in self.targets if t not in LORA_TARGETS]
+    if bad or not self.targets:
+      raise ConfigError(f"model.lora.targets={list(self.targets)!r}: each must be one of {list(LORA_TARGETS)} "
+                        "(the embedding and the output head take no adapter), and at least one is needed.")
+    if not 0.0 <= float(self.dropout) < 1.0:
+      raise ConfigError(f"model.lora.dropout={self.dropout!r} must be in [0, 1).")
+    if not float(self.alpha) > 0:
+      raise ConfigError(f"model.lora.alpha={self.alpha!r} must be positive.")
+
+  @property
+  def scale(self) -> float:
+    """The factor on the adapter's output: alpha / rank (PEFT's `scaling`)."""
+    return float(self.alpha) / int(self.rank)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer.
@@ -67,6 +102,10 @@ class ModelConfig:
     sliding_window: W; the layers flagged in `sliding_layers` let a query at position p see keys at
       positions > p - W only. sliding_layers: one bool per layer (() = none).
     rope_local_theta: the RoPE base of the sliding layers (None = rope_theta for all layers).
+
+  lora: low-rank adapters on the projections (None = off). The parameter tree then holds
+  `<name>_lora_a` / `<name>_lora_b` leaves beside each adapted `<name>_kernel`, always float32;
+  a tree without them runs the base model (rljax/models/lora.py).
   """
   vocab_size: int
   hidden_size: int
@@ -100,6 +139,7 @@ class ModelConfig:
   sliding_window: int | None = None
   sliding_layers: tuple[bool, ...] = ()
   rope_local_theta: float | None = None
+  lora: LoraConfig | None = None
 
   def __post_init__(self):
     if self.architecture not in ARCHITECTURES:

@@ -69,6 +69,35 @@ def _param(module: nn.Module, name: str, init, shape, axes, dtype):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
+def _lora_delta(module: nn.Module, name: str, x, in_axes: tuple, out_shape: tuple, out_axes: tuple):
+  """The LoRA term (alpha / r) * (x A) B of projection `name`, or None (no adapter on it, or a
+  parameter tree without adapters: the base model, e.g. the KL reference).
+
+  x: [B, T, *in] with in the kernel's input axes (named `in_axes`); A: [*in, r] float32,
+  initialised like PEFT's (uniform, bound 1 / sqrt(fan_in)); B: [r, *out] float32, zeros, so a
+  fresh adapter leaves the model unchanged. Both run in the compute dtype, like the kernels.
+  With dropout, the input of A is dropped when a "dropout" rng is given (the learner's loss).
+  """
+  lora = module.config.lora
+  a_name, b_name = f"{name}_lora_a", f"{name}_lora_b"
+  if lora is None or name not in lora.targets:
+    return None
+  if not (module.is_initializing() or module.has_variable("params", a_name)):
+    return None
+  in_shape = x.shape[2:]
+  fan_in_axes = tuple(range(len(in_shape)))
+  a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=fan_in_axes, out_axis=-1)
+  a = _param(module, a_name, a_init, in_shape + (lora.rank,), in_axes + ("lora_rank",), jnp.float32)
+  b = _param(module, b_name, nn.initializers.zeros, (lora.rank,) + out_shape, ("lora_rank",) + out_axes,
+             jnp.float32)
+  dt = module.config.compute_dtype
+  if lora.dropout > 0 and module.has_rng("dropout"):
+    keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - lora.dropout, x.shape)
+    x = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
+  h = jnp.tensordot(x, a.astype(dt), axes=len(in_shape))             # [B, T, r]
+  return jnp.tensordot(h, b.astype(dt), axes=1) * jnp.asarray(lora.scale, dt)   # [B, T, *out]
+
+
 class RMSNorm(nn.Module):
   """RMSNorm over the last axis, computed in float32. With `offset` (Gemma) the scale is
   (1 + weight) and the weight starts at zero; otherwise the scale is the weight, starting at one."""
@@ -200,6 +229,9 @@ class Attention(nn.Module):
     def proj(name, heads, axis):
       w = _param(self, f"{name}_kernel", init, (d, heads, dh), ("embed", axis, "head_dim"), pdt)
       y = jnp.einsum("btd,dhk->bthk", x, w.astype(dt))
+      delta = _lora_delta(self, name, x, ("embed",), (heads, dh), (axis, "head_dim"))
+      if delta is not None:
+        y = y + delta
       if c.attention_bias:
         b = _param(self, f"{name}_bias", nn.initializers.zeros, (heads, dh), (axis, "head_dim"), pdt)
         y = y + b.astype(dt)
@@ -235,7 +267,9 @@ class Attention(nn.Module):
                               softcap=c.attn_logit_softcap, prefix_rows=prefix_rows)
     out = out.reshape(b, t, h, dh)
     wo = _param(self, "o_kernel", init, (h, dh, d), ("heads", "head_dim", "embed"), pdt)
-    return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_cache
+    y = jnp.einsum("bthk,hkd->btd", out, wo.astype(dt))
+    delta = _lora_delta(self, "o", out, ("heads", "head_dim"), (d,), ("embed",))
+    return (y if delta is None else y + delta), new_cache
 
 
 def _cached_attention(q, k, v, mask, prefix=None, scale=None, softcap=None, prefix_rows=None):
@@ -299,8 +333,14 @@ class MLP(nn.Module):
     up = _param(self, "up_kernel", init, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pdt)
     down = _param(self, "down_kernel", init, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), pdt)
     act = jax.nn.silu if c.hidden_act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-    hidden = act(x @ gate.astype(dt)) * (x @ up.astype(dt))
-    return hidden @ down.astype(dt)
+
+    def project(name, inp, w, in_axis, out_axis):
+      y = inp @ w.astype(dt)
+      delta = _lora_delta(self, name, inp, (in_axis,), (w.shape[-1],), (out_axis,))
+      return y if delta is None else y + delta
+
+    hidden = act(project("gate", x, gate, "embed", "mlp")) * project("up", x, up, "embed", "mlp")
+    return project("down", hidden, down, "mlp", "embed")
 
 
 class DecoderLayer(nn.Module):
@@ -345,7 +385,7 @@ class Transformer(nn.Module):
     self.layers = nn.scan(
         layer,
         variable_axes={"params": 0},
-        split_rngs={"params": True},
+        split_rngs={"params": True, "dropout": True},
         in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
         length=c.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},

@@ -7,6 +7,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from rljax.models import lora
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -14,6 +16,10 @@ class TrainState:
 
   params: fp32 master weights (a plain pytree); opt_state: optax state;
   ref_params: frozen reference weights, or None when the KL coefficient is 0 (no copy kept);
+  frozen: with LoRA (`ModelConfig.lora`), the frozen base weights in their storage dtype; `params`
+    and the optimizer state are then the adapters only, the model runs `lora.join(frozen, params)`
+    (`model_params`), and the KL reference is the base alone (`reference_params`). Checkpoints
+    leave it out (the run reloads it from config.model). None without LoRA.
   rng: raw PRNG key data [2] uint32 (raw so orbax can save it); step: rollout steps done.
   Updates skipped for non-finite gradients are counted in the optimizer state
   (`optax.apply_if_finite`; read them with `rljax.trainer.optim.skip_counts`).
@@ -23,11 +29,21 @@ class TrainState:
   opt_state: Any
   rng: jax.Array
   ref_params: Any = None
+  frozen: Any = None
 
   @classmethod
-  def create(cls, params, optimizer, seed: int, ref_params=None) -> "TrainState":
+  def create(cls, params, optimizer, seed: int, ref_params=None, frozen=None) -> "TrainState":
     return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-               rng=jax.random.key_data(jax.random.key(seed)), ref_params=ref_params)
+               rng=jax.random.key_data(jax.random.key(seed)), ref_params=ref_params, frozen=frozen)
+
+  def model_params(self, params=None):
+    """The tree the model runs: `params` (default: the state's) joined with the frozen base under LoRA."""
+    params = self.params if params is None else params
+    return params if self.frozen is None else lora.join(self.frozen, params)
+
+  def reference_params(self):
+    """The KL reference: the stored copy, or under LoRA the base with the adapters off (no copy)."""
+    return self.frozen if self.ref_params is None else self.ref_params
 
   def next_rng(self) -> tuple["TrainState", jax.Array]:
     """Splits the stored key: returns the state with the new key and a key for this step."""
