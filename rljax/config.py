@@ -30,6 +30,10 @@ def base_config() -> ml_collections.ConfigDict:
       dtype="float32",                # compute dtype of activations
       remat=False,                    # recompute layer activations in the backward pass
       attention="auto",               # learner attention: auto | xla | chunked | cudnn | splash (docs/models.md)
+      lora=ml_collections.ConfigDict(dict(   # low-rank adapters (docs/models.md#lora); rank 0 = full fine-tuning
+          rank=0, alpha=16.0, dropout=0.0,
+          targets=["q", "k", "v", "o", "gate", "up", "down"],   # projections adapted; base frozen in model.dtype
+      ), type_safe=False),
       random=ml_collections.ConfigDict(dict(   # used when path == "random" (tests, smoke runs)
           vocab_size=0, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
           num_kv_heads=2, head_dim=16, architecture="llama", tie_word_embeddings=True, seed=0)),
@@ -164,6 +168,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   attention_impls = ("auto", "xla", "chunked", "cudnn", "splash")   # = rljax.models.config.ATTENTION_IMPLS
   if c.model.attention not in attention_impls:
     raise ConfigError(f"config.model.attention={c.model.attention!r} is not one of {attention_impls}.")
+  lora_config(c)   # raises on a bad rank, alpha, dropout or target
   if not t.dynamic_sampling and t.oversample is not None:
     raise ConfigError(f"config.train.oversample={t.oversample} only applies with config.train.dynamic_sampling=True "
                       "(it would be ignored): set train.dynamic_sampling=True or drop train.oversample.")
@@ -343,6 +348,19 @@ def recompute_old_logprobs(c: ml_collections.ConfigDict) -> bool:
 
 # Off-policy modes correct with truncated IS against the sampler; this cap is used unless rl.tis_cap is set.
 DEFAULT_OFF_POLICY_TIS_CAP = 2.0
+
+
+def lora_config(c: ml_collections.ConfigDict):
+  """The LoraConfig of config.model.lora, or None when its rank is 0 (full fine-tuning)."""
+  from rljax.models.config import LoraConfig
+  lc = c.model.lora
+  if isinstance(lc.rank, bool) or not isinstance(lc.rank, int) or lc.rank < 0:
+    raise ConfigError(f"config.model.lora.rank={lc.rank!r} must be a non-negative integer (0 = no LoRA, full "
+                      "fine-tuning; 8-64 are usual).")
+  if lc.rank == 0:
+    return None
+  targets = [lc.targets] if isinstance(lc.targets, str) else list(lc.targets)
+  return LoraConfig(rank=lc.rank, alpha=float(lc.alpha), dropout=float(lc.dropout), targets=tuple(targets))
 
 
 def loss_config(c: ml_collections.ConfigDict):

@@ -80,13 +80,15 @@ def _forward(config, params, tokens, positions, mask):
 
 
 def apply_model(config: ModelConfig, params, tokens, positions, token_mask=None, cache: KVCache | None = None,
-                *, segment_ids=None, return_hidden: bool = False):
+                *, segment_ids=None, return_hidden: bool = False, dropout_rng=None):
   """Functional forward used by the sampler and the learner (same code path).
 
   segment_ids: [B, T] int32 packed-row segments, without a cache only (see `Transformer.__call__`).
+  dropout_rng: a key for LoRA dropout (config.lora.dropout > 0), given by the learner's loss only.
   """
+  rngs = None if dropout_rng is None else {"dropout": dropout_rng}
   return Transformer(config).apply({"params": params}, tokens, positions, token_mask, cache,
-                                   segment_ids=segment_ids, return_hidden=return_hidden)
+                                   segment_ids=segment_ids, return_hidden=return_hidden, rngs=rngs)
 
 
 def output_kernel(config: ModelConfig, params) -> jax.Array:

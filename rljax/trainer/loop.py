@@ -16,6 +16,7 @@ from rljax import compile_stats
 from rljax import config as config_lib
 from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
+from rljax.models import lora
 from rljax.models.policy import Policy, init_params, param_shardings
 from rljax.trainer.metrics import MetricsWriter, to_floats
 from rljax.trainer.optim import make_optimizer
@@ -24,6 +25,8 @@ from rljax.trainer.hooks import StepInfo
 from rljax.trainer.step import StepSpec
 
 log = logging.getLogger("rljax")
+
+EXTRAS_BASE_FINGERPRINT = "lora_base_fingerprint"   # checkpoint extras of a LoRA run: its base's checksum
 
 
 class TrainingStopped(RljaxError):
@@ -38,8 +41,14 @@ def load_policy(model_cfg, tokenizer_path: str = "", mesh=None) -> Policy:
   """The policy named by config.model: pretrained weights, or a random model for tests.
 
   With `mesh` the parameters are created sharded: each process reads only the checkpoint slices
-  its devices hold (rljax/models/io.py), and no device ever holds the whole model."""
+  its devices hold (rljax/models/io.py), and no device ever holds the whole model.
+
+  With config.model.lora.rank > 0 the config carries the LoraConfig and the (base) parameters are
+  stored in the compute dtype, model.dtype: they are frozen, so no float32 master copy is kept.
+  The adapters are made by the trainer (`lora.init_adapters`)."""
   from rljax.models.config import ModelConfig, family_switches
+  lora_cfg = config_lib.lora_config(ml_collections.ConfigDict({"model": model_cfg}))
+  param_dtype = model_cfg.dtype if lora_cfg is not None else "float32"
   if model_cfg.path == "random":
     from rljax.tokenizer import load_tokenizer
     tok = load_tokenizer(tokenizer_path) if tokenizer_path else None
@@ -53,14 +62,14 @@ def load_policy(model_cfg, tokenizer_path: str = "", mesh=None) -> Policy:
                      **family_switches(r.architecture, r.num_layers, r.head_dim),
                      eos_token_ids=(tok.eos_id,) if tok is not None and tok.eos_id is not None else (),
                      dtype=model_cfg.dtype, remat=model_cfg.remat, attention=model_cfg.attention,
-                     max_position_embeddings=config_lib.RANDOM_MODEL_CONTEXT)
+                     max_position_embeddings=config_lib.RANDOM_MODEL_CONTEXT, param_dtype=param_dtype)
     init = init_params if mesh is None else jax.jit(init_params, static_argnums=0,
                                                     out_shardings=param_shardings(mc, mesh))
-    return Policy(mc, init(mc, jax.random.key(r.seed)), tokenizer=tok, source="random")
+    return Policy(mc.replace(lora=lora_cfg), init(mc, jax.random.key(r.seed)), tokenizer=tok, source="random")
   from rljax.models.io import load_pretrained
-  policy = load_pretrained(model_cfg.path, mesh=mesh)
+  policy = load_pretrained(model_cfg.path, mesh=mesh, param_dtype=param_dtype)
   policy = dataclasses.replace(policy, config=policy.config.replace(dtype=model_cfg.dtype, remat=model_cfg.remat,
-                                                                          attention=model_cfg.attention))
+                                                                          attention=model_cfg.attention, lora=lora_cfg))
   if tokenizer_path:
     from rljax.tokenizer import load_tokenizer
     policy = dataclasses.replace(policy, tokenizer=load_tokenizer(tokenizer_path))
@@ -251,12 +260,24 @@ class Trainer:
   def _setup_state(self, params):
     c = self.config
     self.param_shardings = param_shardings(self.model_config, self.mesh)
-    params = jax.device_put(params, self.param_shardings)
-    ref = params if self.loss_cfg.needs_reference else None
-    if ref is not None:
-      ref = jax.tree.map(jnp.copy, ref)
-    state = TrainState.create(params, self.optimizer, c.train.seed, ref_params=ref)
-    self.state_shardings = _state_shardings(state, self.mesh, self.param_shardings)
+    self.base_fingerprint = None
+    if self.model_config.lora is not None:
+      # LoRA: the loaded weights are the frozen base; the state trains a fresh set of adapters, and
+      # the base with the adapters off is the KL reference (no copy).
+      base_sh, adapter_sh = lora.split(self.param_shardings)
+      frozen = jax.device_put(params, base_sh)
+      self.base_fingerprint = lora.fingerprint(frozen)
+      adapters = lora.init_adapters(self.model_config, jax.random.fold_in(jax.random.key(c.train.seed), 1),
+                                    adapter_sh)
+      state = TrainState.create(adapters, self.optimizer, c.train.seed, frozen=frozen)
+      self.state_shardings = _state_shardings(state, self.mesh, adapter_sh, frozen_sh=base_sh)
+    else:
+      params = jax.device_put(params, self.param_shardings)
+      ref = params if self.loss_cfg.needs_reference else None
+      if ref is not None:
+        ref = jax.tree.map(jnp.copy, ref)
+      state = TrainState.create(params, self.optimizer, c.train.seed, ref_params=ref)
+      self.state_shardings = _state_shardings(state, self.mesh, self.param_shardings)
     self.state = jax.device_put(state, self.state_shardings)
     from rljax.trainer.checkpoint import Checkpointer
     self.ckpt = Checkpointer(os.path.join(self.out_dir, "checkpoints"), keep_last=c.checkpoint.keep_last,
@@ -265,14 +286,29 @@ class Trainer:
     self.history: list[dict] = []
     self.start_step = 0
     if c.checkpoint.resume and self.ckpt.latest_step() is not None:
-      abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
-                              self.state_shardings)
-      self.state, extras = self.ckpt.restore(abstract_state=abstract)
+      # The frozen base is not in a checkpoint: it was loaded from config.model above.
+      self._check_base(self.ckpt.restore_extras())
+      saved = self.state.replace(frozen=None)
+      abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), saved,
+                              self.state_shardings.replace(frozen=None))
+      restored, extras = self.ckpt.restore(abstract_state=abstract)
+      self.state = restored.replace(frozen=self.state.frozen)
       self.feed.restore(extras["data"])
       self.data_state = self.batcher.state()
       self.history = extras.get("metrics", [])
       self.start_step = int(self.state.step)
       log.info("resumed from %s at step %d", self.ckpt.directory, self.start_step)
+
+  def _check_base(self, extras: dict) -> None:
+    """A LoRA checkpoint's adapters only make sense on the base they were trained on."""
+    saved = extras.get(EXTRAS_BASE_FINGERPRINT)
+    # The run dir's config check (rundir.check_resume) already refused another config.model; this
+    # catches other weights at the same model.path. Float32 sums in another order agree to ~1e-6.
+    if saved is not None and self.base_fingerprint is not None and \
+        abs(saved - self.base_fingerprint) > 1e-4 * max(abs(saved), 1.0):
+      raise ConfigError(f"{self.ckpt.directory}: its LoRA adapters were trained on another base model than "
+                        f"config.model.path={self.config.model.path!r} (weight checksum {saved:.6g} saved, "
+                        f"{self.base_fingerprint:.6g} now); point config.model.path at the run's base model.")
 
   # ---- the loop ---------------------------------------------------------------------------
 
@@ -389,7 +425,7 @@ class Trainer:
     from rljax.trainer.evaluate import evaluate_policy
     c = self.config
     return evaluate_policy(
-        self.model_config, self.state.params, self.tokenizer, self.eval_data, self.scorer.pool,
+        self.model_config, self.state.model_params(), self.tokenizer, self.eval_data, self.scorer.pool,
         num_examples=c.eval.num_examples, samples=c.eval.samples,
         sampling=sampling_params(c, self.tokenizer, num_samples=c.eval.samples, temperature=c.eval.temperature,
                                  max_new_tokens=c.eval.max_new_tokens or None),
@@ -404,27 +440,42 @@ class Trainer:
     extras = {"data": self.data_state, "config": json.loads(config_lib.to_json(self.config)),
               "metrics": self.history, "model_config": self.model_config.to_hf(),
               "tokenizer": self.config.tokenizer or self.config.model.path}
+    if self.base_fingerprint is not None:   # LoRA: the adapters and the base they go on (config.model)
+      extras[EXTRAS_BASE_FINGERPRINT] = self.base_fingerprint
     metrics = None
     if eval_metrics:
       metrics = {f"eval/{k}": v for k, v in eval_metrics.items() if isinstance(v, float)}
-    self.ckpt.save(int(self.state.step), self.state, extras=extras, metrics=metrics, force=force)
+    # Under LoRA only the adapters and their optimizer state are saved; the base is config.model's.
+    self.ckpt.save(int(self.state.step), self.state.replace(frozen=None), extras=extras, metrics=metrics,
+                   force=force)
 
   def export(self) -> str:
+    """The trained model as a Hugging Face directory, `<output.dir>/hf`; under LoRA the adapters
+    merged into the base there, and the adapters alone in PEFT's layout in `<output.dir>/peft`."""
     from rljax.models.io import save_pretrained
     from rljax.models.policy import Policy
     out = os.path.join(self.out_dir, "hf")
-    params = jax.device_get(self.state.params)
-    save_pretrained(Policy(self.model_config, params, tokenizer=self.tokenizer), out,
-                    dtype=self.config.output.export_dtype)
+    dtype = self.config.output.export_dtype
+    if self.model_config.lora is None:
+      params = jax.device_get(self.state.params)
+      save_pretrained(Policy(self.model_config, params, tokenizer=self.tokenizer), out, dtype=dtype)
+      return out
+    from rljax.models.lora_io import save_peft_adapter
+    base, adapters = jax.device_get((self.state.frozen, self.state.params))
+    merged = lora.merge(self.model_config, base, adapters)
+    save_pretrained(Policy(self.model_config.replace(lora=None), merged, tokenizer=self.tokenizer), out, dtype=dtype)
+    save_peft_adapter(self.model_config, adapters, os.path.join(self.out_dir, "peft"),
+                      base_model_name_or_path=self.config.model.path)
     return out
 
 
-def _state_shardings(state: TrainState, mesh, param_sh):
-  """Params, ref params and param-shaped optimizer moments by logical axes; everything else replicated."""
+def _state_shardings(state: TrainState, mesh, param_sh, frozen_sh=None):
+  """Params, ref params and param-shaped optimizer moments by logical axes (under LoRA `param_sh`
+  is the adapters' and `frozen_sh` the base's); everything else replicated."""
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   param_struct = jax.tree.structure(state.params)
   is_param_tree = lambda n: jax.tree.structure(n) == param_struct
   opt_sh = jax.tree.map(lambda n: param_sh if is_param_tree(n) else replicated, state.opt_state,
                         is_leaf=is_param_tree)
   return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                    ref_params=None if state.ref_params is None else param_sh)
+                    ref_params=None if state.ref_params is None else param_sh, frozen=frozen_sh)

@@ -165,7 +165,7 @@ class PartialRollouts(Decoupled):
     t0 = time.perf_counter()
     self._fill(feed)
     self.rng, key = split_key(self.rng)
-    segments = self._round(state.params, key)
+    segments = self._round(state.model_params(), key)
     groups = self._take()
     t1 = time.perf_counter()
     rollout = self._rollout(groups)

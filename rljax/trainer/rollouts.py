@@ -38,6 +38,7 @@ import numpy as np
 
 from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
+from rljax.models import lora
 from rljax.rewards.callback import local_indices
 from rljax.rollout import Rollout
 from rljax.trainer.state import TrainState
@@ -387,12 +388,12 @@ class PipelinedRollouts(_Streaming):
 
   def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
     t0 = time.perf_counter()
-    item = self.pending or self.draw(feed, state.params, self.version)
+    item = self.pending or self.draw(feed, state.model_params(), self.version)
     self.pending = None
     self.finish_generation(item)
     t1 = time.perf_counter()
     if self.max_staleness >= 1 and self.next_index < self.steps:
-      self.pending = self.draw(feed, state.params, self.version)   # before this update: one version behind
+      self.pending = self.draw(feed, state.model_params(), self.version)   # before this update: one version behind
     self.score(item)
     t2 = time.perf_counter()
     state, metrics, staleness = self.train(state, item, item.rollout)
@@ -416,7 +417,8 @@ class AsyncRollouts(_Streaming):
     from rljax.models.policy import param_shardings
     self.gen_param_shardings = param_shardings(ctx.spec.model, self.generator_mesh)
     self.cond = threading.Condition()
-    self.published = (self.publish_params(state.params), self.version)
+    self._gen_base = None
+    self.published = (self.publish_params(state), self.version)
     self.to_score: queue.Queue = queue.Queue(maxsize=1)
     self.ready: queue.Queue = queue.Queue(maxsize=r.queue_size)
     self.stopping = threading.Event()
@@ -424,9 +426,16 @@ class AsyncRollouts(_Streaming):
     self.threads: list[threading.Thread] = []
     self.feed = None
 
-  def publish_params(self, params):
-    """The learner's parameters resharded onto the generator devices (device to device)."""
-    params = jax.device_put(params, self.gen_param_shardings)
+  def publish_params(self, state: TrainState):
+    """The learner's parameters resharded onto the generator devices (device to device). Under
+    LoRA the frozen base is copied once and only the adapters at each sync."""
+    if state.frozen is None:
+      params = jax.device_put(state.params, self.gen_param_shardings)
+    else:
+      base_sh, adapter_sh = lora.split(self.gen_param_shardings)
+      if self._gen_base is None:
+        self._gen_base = jax.block_until_ready(jax.device_put(state.frozen, base_sh))
+      params = lora.join(self._gen_base, jax.device_put(state.params, adapter_sh))
     return jax.block_until_ready(params)   # the learner's next update donates the source buffers
 
   def _start(self, feed) -> None:
@@ -511,7 +520,7 @@ class AsyncRollouts(_Streaming):
     rollout = jax.device_put(item.rollout, by_rows(self.learner_mesh, item.rollout))
     state, metrics, staleness = self.train(state, item, rollout)
     if self.version % self.sync_every == 0:
-      params = self.publish_params(state.params)
+      params = self.publish_params(state)
       with self.cond:
         self.published = (params, self.version)
         self.cond.notify_all()

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from rljax import sharding as shd
+from rljax.models import lora
 from rljax.models.config import ModelConfig
 from rljax.models.policy import apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
@@ -77,17 +78,19 @@ class TrainBatch:
   lp_ref: Any = None
 
 
-def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask):
+def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None):
   """Teacher-forced log-probs and entropies of the completion tokens.
 
   prompt_ids/prompt_mask: [B, Lp] (left-padded); tokens/mask: [B, T], mask the completion
   tokens the model sees (a rollout's `context_mask`). Returns (lp, ent): [B, T] float32 each,
   under logits / temperature, without materialising [B, T, V] (chunked over the vocabulary).
+  dropout_rng: the LoRA dropout key of a training forward (None: no dropout).
   """
   lp_len = prompt_ids.shape[1]
   seq = jnp.concatenate([prompt_ids, tokens], axis=1)
   seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
-  hidden, _ = apply_model(spec.model, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True)
+  hidden, _ = apply_model(spec.model, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True,
+                          dropout_rng=dropout_rng)
   hidden = jax.lax.dynamic_slice_in_dim(hidden, lp_len - 1, tokens.shape[1], axis=1)
   return chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
                           temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
@@ -185,31 +188,37 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
   g = spec.group
   updates_per_step = spec.epochs * spec.mini_batches
 
-  def logprobs(params, b):
-    return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask)
+  lora_dropout = spec.model.lora is not None and spec.model.lora.dropout > 0
 
-  def loss_fn(params, mb: TrainBatch, den):
-    lp, ent = logprobs(params, mb)
+  def logprobs(params, b, dropout_rng=None):
+    return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask, dropout_rng)
+
+  def loss_fn(trainable, frozen, mb: TrainBatch, den, key):
+    # Under LoRA `trainable` is the adapters and the gradient is theirs alone; `frozen` is None otherwise.
+    params = trainable if frozen is None else lora.join(frozen, trainable)
+    lp, ent = logprobs(params, mb, key if lora_dropout else None)
     return policy_loss(lp, mb.lp_old, mb.adv, mb.mask, den, cfg, lp_ref=mb.lp_ref, lp_samp=mb.lp_samp, entropy=ent,
                        truncated=mb.truncated)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def accumulate(params, batch: TrainBatch):
+  def accumulate(params, frozen, batch: TrainBatch, key):
     """Loss, summed grads and combined metrics over micro-batches (whole groups each)."""
     den = make_denominators(batch.mask, g, cfg, truncated=batch.truncated)
     micro = jax.tree.map(lambda x: split_groups(x, spec.micro_batches, g), batch)
 
-    def body(carry, mb):
+    def body(carry, xs):
       loss_acc, grads_acc = carry
-      (loss, metrics), grads = grad_fn(params, mb, den)
+      mb, i = xs
+      (loss, metrics), grads = grad_fn(params, frozen, mb, den, jax.random.fold_in(key, i))
       return (loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads)), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
+    (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                          (micro, jnp.arange(spec.micro_batches)))
     return loss, grads, reduce_stacked(metrics, over="micro_batches")
 
-  def accumulate_packed(params, batch: TrainBatch):
+  def accumulate_packed(params, frozen, batch: TrainBatch, key):
     """`accumulate` over packed blocks of real tokens (trainer/packing.py): as many blocks as the
     rows' real tokens fill, each R bins of W = Lp + T tokens. Same loss, grads and metrics."""
     den = make_denominators(batch.mask, g, cfg, truncated=batch.truncated)
@@ -218,9 +227,11 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     layout = packing.pack(batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.context_mask, bins)
     t = batch.tokens.shape[1]
 
-    def block_loss(params, k):
+    def block_loss(trainable, k):
+      params = trainable if frozen is None else lora.join(frozen, trainable)
       tok, seg, pos = (shd.constrain(x, ("batch", "length")) for x in packing.block_inputs(layout, k, bins))
-      hidden, _ = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True)
+      hidden, _ = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True,
+                              dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None)
       lp, ent = chunked_logprobs(hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
                                  temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
                                  softcap=spec.model.final_logit_softcap)
@@ -252,7 +263,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     return loss, grads, metrics
 
   def optimizer_update(state: TrainState, mb: TrainBatch, index):
-    loss, grads, metrics = (accumulate_packed if spec.pack_tokens else accumulate)(state.params, mb)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), index)   # LoRA dropout only
+    loss, grads, metrics = (accumulate_packed if spec.pack_tokens else accumulate)(state.params, state.frozen, mb, key)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skipped = skip_counts(opt_state)
@@ -267,8 +279,9 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     metrics: dict[str, Any] = {}
     lp_ref = None
     rewards_pg = rollout.rewards.reshape(-1, g)
-    if state.ref_params is not None:
-      lp_ref, _ = logprobs(state.ref_params, rollout_view(rollout))
+    reference = state.ref_params if state.frozen is None or not cfg.needs_reference else state.reference_params()
+    if reference is not None:
+      lp_ref, _ = logprobs(reference, rollout_view(rollout))
       lp_ref = jax.lax.stop_gradient(lp_ref)
       if cfg.kl_in_reward:
         kl = (kl_penalty(rollout.logprobs, lp_ref, rollout.mask, cfg.kl_estimator) * rollout.mask).sum(-1)
@@ -279,14 +292,14 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     if spec.recompute_old_logprobs:
       # The proximal policy of decoupled PPO: the parameters before this update. Against it the
       # sampler's log-probs (the behaviour policy) enter through the truncated IS weight (tis_cap).
-      lp_old, _ = logprobs(state.params, rollout_view(rollout))
+      lp_old, _ = logprobs(state.model_params(), rollout_view(rollout))
       lp_old = jax.lax.stop_gradient(lp_old)
     else:
       # The sampler ran the same model code on the same parameters: its log-probs are lp_old
       # (exact in fp32; `sampler/logprob_gap_*` measures how far that holds in this dtype).
       lp_old = rollout.logprobs
       if spec.gap_rows:
-        metrics.update(_logprob_gap(logprobs, state.params, rollout, spec.gap_rows))
+        metrics.update(_logprob_gap(logprobs, state.model_params(), rollout, spec.gap_rows))
     batch = TrainBatch(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, tokens=rollout.tokens,
                        mask=rollout.mask, context_mask=rollout.context_mask, lp_old=lp_old, lp_samp=rollout.logprobs,
                        truncated=rollout.truncated, adv=adv.reshape(-1), lp_ref=lp_ref)
@@ -374,7 +387,7 @@ def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
 
   def step(state: TrainState, prompt_ids, prompt_mask):
     state, key = state.next_rng()
-    rollout = generate(state.params, key, prompt_ids, prompt_mask)
+    rollout = generate(state.model_params(), key, prompt_ids, prompt_mask)
     with shd.activate(mesh):
       rollout = rollout.with_rewards(*reward_fn(rollout.tokens, rollout.lengths))
     return update(state, rollout)

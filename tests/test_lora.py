@@ -1,0 +1,222 @@
+"""LoRA (rljax/models/lora.py): the adapted model, its training in every rollout mode, the KL
+reference without a copy, checkpoints of the adapters alone, exact resume, merged export."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rljax.config_overrides import apply_overrides, load_config_file
+from rljax.errors import ConfigError
+from rljax.models import LoraConfig, ModelConfig, init_params, lora
+from rljax.models.policy import apply_model
+from rljax.models.transformer import positions_from_mask
+from rljax.trainer.loop import Trainer
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "rljax", "configs")
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def tiny(**lora_kw) -> ModelConfig:
+  return ModelConfig(**TINY, lora=LoraConfig(rank=4, alpha=8.0, **lora_kw))
+
+
+def random_adapters(config, seed=1, scale=0.05):
+  """Adapters with non-zero B (fresh ones leave the model unchanged, which tests nothing)."""
+  base, adapters = lora.split(init_params(config, jax.random.key(0)))
+  keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(adapters))))
+  return base, jax.tree.map(lambda x: scale * jax.random.normal(next(keys), x.shape), adapters)
+
+
+def batch(config, rows=3, length=9, seed=2):
+  tokens = jax.random.randint(jax.random.key(seed), (rows, length), 0, config.vocab_size)
+  mask = jnp.ones((rows, length), bool).at[0, :3].set(False)   # one left-padded row
+  return tokens, mask, positions_from_mask(mask)
+
+
+def test_fresh_adapters_leave_the_model_unchanged_and_the_base_is_the_model_without_them():
+  c = tiny()
+  base, adapters = lora.split(init_params(c, jax.random.key(0)))
+  assert set(adapters["layers"]["attn"]) == {f"{n}_lora_{ab}" for n in "qkvo" for ab in "ab"}
+  assert all(float(jnp.abs(b).max()) == 0.0 for k, b in adapters["layers"]["mlp"].items() if k.endswith("_b"))
+  tokens, mask, pos = batch(c)
+  plain, _ = apply_model(c.replace(lora=None), base, tokens, pos, mask)
+  adapted, _ = apply_model(c, lora.join(base, adapters), tokens, pos, mask)
+  off, _ = apply_model(c, base, tokens, pos, mask)   # the KL reference: the tree without adapters
+  np.testing.assert_array_equal(np.asarray(adapted), np.asarray(plain))
+  np.testing.assert_array_equal(np.asarray(off), np.asarray(plain))
+
+
+def test_merged_kernels_equal_the_adapted_model():
+  """W + (alpha / r) A B folded into the kernels computes what the adapter path computes (fp32,
+  one rounding of the fold: 1e-5 on logits of magnitude ~1)."""
+  c = tiny(targets=("q", "v", "o", "down"))
+  base, adapters = random_adapters(c)
+  tokens, mask, pos = batch(c)
+  adapted, _ = apply_model(c, lora.join(base, adapters), tokens, pos, mask)
+  base_only, _ = apply_model(c, base, tokens, pos, mask)
+  merged, _ = apply_model(c.replace(lora=None), lora.merge(c, base, adapters), tokens, pos, mask)
+  assert float(jnp.abs(adapted - base_only).max()) > 1e-2      # the adapters do change the model
+  np.testing.assert_allclose(np.asarray(merged), np.asarray(adapted), atol=1e-5)
+
+
+def test_sampler_equals_learner_logprobs_with_adapters_fp32():
+  """The sampler's cached decode and the learner's teacher-forced forward run the same adapted
+  model: their log-probs agree to float32 rounding (1e-5)."""
+  from rljax.sampling import SamplingParams, sample
+  from rljax.trainer.step import StepSpec, sequence_logprobs
+  from rljax.rl import LossConfig
+  c = tiny()
+  base, adapters = random_adapters(c, scale=0.2)
+  params = lora.join(base, adapters)
+  prompt_ids, prompt_mask, _ = batch(c, rows=2, length=6)
+  sp = SamplingParams(num_samples=3, max_new_tokens=10, temperature=1.0)
+  out = sample(c, params, prompt_ids, prompt_mask, sp, jax.random.key(7))
+  spec = StepSpec(model=c, sampling=sp, loss=LossConfig.from_preset("grpo"), prompts=2)
+  lp, _ = sequence_logprobs(spec, params, out.prompt_ids, out.prompt_mask, out.tokens, out.mask)
+  m = np.asarray(out.mask)
+  assert m.sum() > 10
+  np.testing.assert_allclose(np.asarray(lp)[m], np.asarray(out.logprobs)[m], atol=1e-5)
+  lp_base, _ = sequence_logprobs(spec, base, out.prompt_ids, out.prompt_mask, out.tokens, out.mask)
+  assert np.abs(np.asarray(lp_base)[m] - np.asarray(out.logprobs)[m]).max() > 1e-3   # not the base's
+
+
+def test_dropout_acts_in_the_learner_forward_only():
+  c = tiny(dropout=0.5)
+  base, adapters = random_adapters(c, scale=0.2)
+  params = lora.join(base, adapters)
+  tokens, mask, pos = batch(c)
+  plain, _ = apply_model(c, params, tokens, pos, mask)
+  dropped, _ = apply_model(c, params, tokens, pos, mask, dropout_rng=jax.random.key(3))
+  again, _ = apply_model(c, params, tokens, pos, mask, dropout_rng=jax.random.key(3))
+  no_dropout, _ = apply_model(c.replace(lora=LoraConfig(rank=4, alpha=8.0)), params, tokens, pos, mask)
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(no_dropout))   # no key: no dropout
+  np.testing.assert_array_equal(np.asarray(dropped), np.asarray(again))      # a key: a fixed mask
+  assert float(jnp.abs(dropped - plain).max()) > 1e-3
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("rank", -1, "lora.rank"), ("targets", ["q", "embed"], "lora.targets"), ("dropout", 1.0, "lora.dropout"),
+    ("alpha", 0.0, "lora.alpha")])
+def test_bad_lora_config_is_refused(field, value, match):
+  from rljax.config import base_config, validate
+  c = base_config()
+  c.model.lora.rank = 8
+  c.model.lora[field] = value
+  with pytest.raises(ConfigError, match=match):
+    validate(c)
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+def smoke(tmp_path, *overrides):
+  cfg = load_config_file(os.path.join(CONFIGS, "smoke.py"))
+  apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "model.lora.rank=4", "model.lora.alpha=8.0",
+                        "rl.kl_coef=0.05", "output.progress=False", "output.tensorboard=False", *overrides])
+  return cfg
+
+
+def tools_config(tmp_path):
+  from rljax.configs import retool_tiny
+  c = retool_tiny.get_config()
+  c.model.path = "random"
+  c.tokenizer = "smollm2-135m-instruct"
+  c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                             head_dim=8))
+  c.sampling.max_new_tokens = 32
+  c.tools.segment_tokens = 16
+  c.train.prompts_per_step = 2
+  c.sampling.num_samples = 2
+  apply_overrides(c, [f"output.dir={str(tmp_path / 'run')!r}", "model.lora.rank=4", "rl.kl_coef=0.05",
+                      "optim.learning_rate=0.05", "output.progress=False", "output.tensorboard=False"])
+  return c
+
+
+MODES = {
+    "fused": [],
+    "pipelined": ["rollout.mode='pipelined'"],
+    "async": ["rollout.mode='async'"],
+    "partial": ["rollout.mode='partial'", "train.prompts_per_step=4", "sampling.num_samples=4"],
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES) + ["tools"])
+def test_lora_trains_in_every_rollout_mode(tmp_path, mode):
+  """Two steps in each rollout mode (and the multi-turn tool producer): only the adapters move,
+  the frozen base is bitwise unchanged, the optimizer holds moments for the adapters alone, and
+  the KL to the base (the reference, no copy) is 0 at the first update (fresh adapters) and
+  positive once they have moved."""
+  cfg = tools_config(tmp_path) if mode == "tools" else smoke(tmp_path, "train.steps=2", *MODES[mode])
+  trainer = Trainer(cfg)
+  try:
+    base0 = jax.device_get(trainer.state.frozen)
+    adapters0 = jax.device_get(trainer.state.params)
+    metrics = [trainer.run_step() for _ in range(2)]
+  finally:
+    trainer.close()
+  assert trainer.state.ref_params is None
+  adapter_names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(adapters0)[0]}
+  assert adapter_names and all("_lora_" in n for n in adapter_names)
+  moments = optax.tree_utils.tree_get_all_with_path(trainer.state.opt_state, "mu")   # AdamW's first moments
+  assert len(moments) == 1 and jax.tree.structure(moments[0][1]) == jax.tree.structure(adapters0)
+  for a, b in zip(jax.tree.leaves(base0), jax.tree.leaves(jax.device_get(trainer.state.frozen))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  moved = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
+           for a, b in zip(jax.tree.leaves(adapters0), jax.tree.leaves(jax.device_get(trainer.state.params)))]
+  assert max(moved) > 0
+  assert all(np.isfinite(m["loss"]) for m in metrics)
+  if mode != "partial":   # partial trains groups as they finish; its first update may come later
+    assert metrics[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+  assert metrics[-1]["kl_ref"] > 0
+
+
+def test_lora_resume_is_exact_and_checkpoints_hold_only_the_adapters(tmp_path):
+  """4 steps straight == 2 steps, stop, resume, 2 more (bitwise on CPU); the checkpoint has no
+  base weights; resuming onto another base is refused."""
+  straight = Trainer(smoke(tmp_path / "straight", "train.steps=4"))
+  want = [straight.run_step() for _ in range(4)]
+  want_params = jax.device_get(straight.state.params)
+  straight.close()
+
+  cfg = lambda *o: smoke(tmp_path / "split", "train.steps=4", *o)
+  first = Trainer(cfg())
+  got = [first.run_step() for _ in range(2)]
+  first.save()
+  first.ckpt.wait()
+  saved = first.ckpt._saved_leaves(2)
+  first.close()
+  assert saved and all(k.startswith(("params.", "opt_state.", "step", "rng")) for k in saved), sorted(saved)[:5]
+  assert all("_lora_" in k for k in saved if k.startswith("params."))
+  resumed = Trainer(cfg())
+  assert resumed.start_step == 2
+  try:
+    got += [resumed.run_step() for _ in range(2)]
+  finally:
+    resumed.close()
+  for step, (a, b) in enumerate(zip(got, want)):
+    for key in ("reward/mean", "loss", "grad_norm", "kl_ref", "sampler/tokens"):
+      assert a[key] == b[key], (step, key)
+  for a, b in zip(jax.tree.leaves(jax.device_get(resumed.state.params)), jax.tree.leaves(want_params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_resume_onto_other_base_weights_is_refused(tmp_path):
+  """The checkpoint records its base's checksum: weights replaced at the same model.path are refused."""
+  from rljax.models.io import save_pretrained
+  from rljax.trainer.loop import load_policy
+
+  def write_base(seed):
+    cfg = smoke(tmp_path, f"model.random.seed={seed}", "model.lora.rank=0")
+    save_pretrained(load_policy(cfg.model, cfg.tokenizer), tmp_path / "base", dtype="float32")
+
+  write_base(0)
+  cfg = lambda: smoke(tmp_path, "train.steps=2", f"model.path={str(tmp_path / 'base')!r}")
+  first = Trainer(cfg())
+  first.run_step()
+  first.save()
+  first.close()
+  write_base(1)
+  with pytest.raises(ConfigError, match="another base model"):
+    Trainer(cfg())
