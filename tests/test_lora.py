@@ -220,3 +220,46 @@ def test_resume_onto_other_base_weights_is_refused(tmp_path):
   write_base(1)
   with pytest.raises(ConfigError, match="another base model"):
     Trainer(cfg())
+
+
+def test_lora_run_exports_merged_and_peft_and_rljax_export_agrees(tmp_path):
+  """A LoRA run ends with `<dir>/hf` (adapters merged into the base: plain transformers loads it)
+  and `<dir>/peft` (adapters alone: peft loads them onto the base); both give rljax's logits of
+  the adapted model (fp32, 1e-4). `rljax export` of the checkpoint writes the same tensors (to
+  float32 rounding)."""
+  import torch
+  import transformers
+  from peft import PeftModel
+  from safetensors.numpy import load_file
+  from rljax.models.io import save_pretrained
+  from rljax.models.policy import Policy
+  from rljax.trainer.export import export_checkpoint
+  cfg = smoke(tmp_path, "train.steps=2", "output.export_hf=True", "output.export_dtype='float32'",
+              "optim.learning_rate=0.05")
+  trainer = Trainer(cfg)
+  summary = trainer.run()
+  config = trainer.model_config
+  base_dir = tmp_path / "base"
+  save_pretrained(Policy(config.replace(lora=None), jax.device_get(trainer.state.frozen)), base_dir, dtype="float32")
+  tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 12))
+  want, _ = apply_model(config, trainer.state.model_params(), jnp.asarray(tokens), positions_from_mask(
+      jnp.ones(tokens.shape, bool)))
+  base_logits, _ = apply_model(config, trainer.state.frozen, jnp.asarray(tokens), positions_from_mask(
+      jnp.ones(tokens.shape, bool)))
+  assert float(jnp.abs(want - base_logits).max()) > 1e-3   # the adapters were trained
+  load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+  with torch.no_grad():
+    merged = load(summary["hf_dir"])(torch.tensor(tokens)).logits.numpy()
+    peft_model = PeftModel.from_pretrained(load(base_dir), os.path.join(cfg.output.dir, "peft")).eval()
+    via_peft = peft_model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(merged, np.asarray(want), atol=1e-4)
+  np.testing.assert_allclose(via_peft, np.asarray(want), atol=1e-4)
+  ckpt = summary["checkpoint_dir"]
+  merged_again = export_checkpoint(ckpt, tmp_path / "merged", dtype="float32")
+  peft_again = export_checkpoint(ckpt, tmp_path / "peft", fmt="peft")
+  for ours, theirs, name in [(merged_again, summary["hf_dir"], "model.safetensors"),
+                             (peft_again, os.path.join(cfg.output.dir, "peft"), "adapter_model.safetensors")]:
+    a, b = load_file(os.path.join(ours, name)), load_file(os.path.join(theirs, name))
+    assert a.keys() == b.keys()
+    for k in a:   # the A B product of a sharded and a one-device run may round differently: 2 ulp
+      np.testing.assert_allclose(a[k], b[k], rtol=2.4e-7, atol=1e-8)

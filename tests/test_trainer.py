@@ -158,8 +158,8 @@ def test_resume_is_exact(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-RECIPES = ["qwen25_05b_gsm8k_grpo.py", "qwen3_17b_math_dapo.py", "llama32_1b_countdown_drgrpo.py", "default.py",
-           "gemma3_1b_gsm8k_grpo.py"]
+RECIPES = ["qwen25_05b_gsm8k_grpo.py", "qwen25_7b_gsm8k_lora_grpo.py", "qwen3_17b_math_dapo.py",
+           "llama32_1b_countdown_drgrpo.py", "default.py", "gemma3_1b_gsm8k_grpo.py"]
 
 
 @pytest.mark.parametrize("name", RECIPES)

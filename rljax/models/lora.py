@@ -77,8 +77,9 @@ def delta(a: jax.Array, b: jax.Array, scale: float, stacked: bool = True) -> jax
 
 
 def merge(config: ModelConfig, base, adapters):
-  """The base tree with every adapter folded into its kernel (float32 sums, cast back to the
-  kernel's dtype): a plain model equal to the adapted one, for export."""
+  """The base tree with every adapter folded into its kernel: a plain model equal to the adapted
+  one, for export. Adapted kernels come back in float32 (a bf16 base plus a small delta rounded
+  to bf16 would lose most of the delta; the export rounds once, to its own dtype)."""
   scale = config.lora.scale
   out = jax.tree.map(lambda x: x, base)
   for path, name in adapted_kernels(adapters):
@@ -87,7 +88,7 @@ def merge(config: ModelConfig, base, adapters):
       node_a, node_o = node_a[p], node_o[p]
     w = node_o[f"{name}_kernel"]
     d = delta(node_a[name + _A], node_a[name + _B], scale, stacked="layers" in path)
-    node_o[f"{name}_kernel"] = (jnp.asarray(w, jnp.float32) + d).astype(w.dtype)
+    node_o[f"{name}_kernel"] = jnp.asarray(w, jnp.float32) + d
   return out
 
 

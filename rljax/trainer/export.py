@@ -2,7 +2,8 @@
 
 Reads only the parameters of one checkpoint step (no optimizer state) onto one device, plus
 the model config and tokenizer source the trainer stored in the step's extras, and writes a
-directory that `transformers.AutoModelForCausalLM.from_pretrained` loads as is.
+directory that `transformers.AutoModelForCausalLM.from_pretrained` loads as is. A LoRA run's
+checkpoint (adapters only) is merged onto its base, or written in PEFT's layout (`--format peft`).
 """
 from __future__ import annotations
 
@@ -60,15 +61,24 @@ def _tokenizer(extras: dict, where: str):
     return None
 
 
+EXPORT_FORMATS = ("merged", "peft")
+
+
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int | None = None,
-                      dtype: str = "bfloat16") -> str:
+                      dtype: str = "bfloat16", fmt: str = "merged") -> str:
   """Writes checkpoint `step` (default: the latest) of `checkpoint_dir` as an HF directory; returns `out_dir`.
 
   `dtype` is the tensor dtype on disk ("bfloat16" or "float32"). Tokenizer files are written
-  when the tokenizer source recorded in the checkpoint can be loaded.
+  when the tokenizer source recorded in the checkpoint can be loaded. A LoRA run's checkpoint
+  holds adapters only: the base is loaded from the run's config.model (and must have the
+  checksum recorded with the adapters); `fmt="merged"` writes base + adapters folded into one
+  model, `fmt="peft"` the adapters alone in PEFT's layout (float32, loadable with
+  `peft.PeftModel.from_pretrained(base, out_dir)`).
   """
   if dtype not in EXPORT_DTYPES:
     raise ConfigError(f"export dtype={dtype!r} is not supported; use one of {EXPORT_DTYPES}.")
+  if fmt not in EXPORT_FORMATS:
+    raise ConfigError(f"export format={fmt!r} is not supported; use one of {EXPORT_FORMATS}.")
   with Checkpointer(checkpoint_dir, read_only=True) as ckpt:
     step = ckpt.latest_step() if step is None else int(step)
     if step is None:
@@ -77,17 +87,54 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     extras = ckpt.restore_extras(step)
     config = _model_config(extras, where)
     params = ckpt.restore_params(step, shardings=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  from rljax.models.io import save_pretrained
+  from rljax.trainer.loop import EXTRAS_BASE_FINGERPRINT
+  if EXTRAS_BASE_FINGERPRINT in extras:
+    return _export_lora(extras, config, params, where, out_dir, dtype, fmt)
+  if fmt == "peft":
+    raise ConfigError(f"{where} is a full fine-tuning checkpoint (no LoRA adapters): export it with "
+                      "--format merged (the default).")
   _check_params(config, params, where)
   params = jax.tree.map(np.asarray, params)
   policy = Policy(config=config, params=params, tokenizer=_tokenizer(extras, where), source=where)
-  from rljax.models.io import save_pretrained
   out = save_pretrained(policy, out_dir, dtype=dtype)
   log.info("exported %s (%s) to %s", where, dtype, out)
   return os.fspath(out)
 
 
+def _export_lora(extras: dict, config: ModelConfig, adapters, where: str, out_dir, dtype: str, fmt: str) -> str:
+  """A LoRA checkpoint's adapters, alone in PEFT's layout or merged into the run's base model."""
+  import ml_collections
+  from rljax.config import lora_config
+  from rljax.models import lora
+  from rljax.models.io import save_pretrained
+  from rljax.models.lora_io import save_peft_adapter
+  from rljax.trainer.loop import EXTRAS_BASE_FINGERPRINT, load_policy
+  run = ml_collections.ConfigDict(extras.get("config") or {})
+  if "model" not in run:
+    raise WeightsError(f"{where}: a LoRA checkpoint without its run config in the extras; the base model is unknown.")
+  adapters = jax.tree.map(np.asarray, adapters)
+  if fmt == "peft":
+    out = save_peft_adapter(config.replace(lora=lora_config(run)), adapters, out_dir,
+                            base_model_name_or_path=run.model.path)
+    log.info("exported the LoRA adapters of %s (PEFT layout) to %s", where, out)
+    return os.fspath(out)
+  base = load_policy(run.model, run.get("tokenizer", ""))
+  saved, now = float(extras[EXTRAS_BASE_FINGERPRINT]), lora.fingerprint(base.params)
+  if abs(saved - now) > 1e-4 * max(abs(saved), 1.0):
+    raise WeightsError(f"{where}: its adapters were trained on other weights than config.model.path="
+                       f"{run.model.path!r} holds now (checksum {saved:.6g} saved, {now:.6g} now); merge them "
+                       "onto the run's own base model.")
+  merged = lora.merge(base.config, jax.device_get(base.params), adapters)
+  policy = Policy(config=base.config.replace(lora=None), params=jax.tree.map(np.asarray, merged),
+                  tokenizer=base.tokenizer, source=where)
+  out = save_pretrained(policy, out_dir, dtype=dtype)
+  log.info("exported %s merged with its base %s (%s) to %s", where, run.model.path, dtype, out)
+  return os.fspath(out)
+
+
 def export_main(argv: Sequence[str] | None = None) -> int:
-  """`rljax export --checkpoint DIR --out HF_DIR [--step N] [--dtype bfloat16|float32]`."""
+  """`rljax export --checkpoint DIR --out HF_DIR [--step N] [--dtype bfloat16|float32] [--format merged|peft]`."""
   parser = argparse.ArgumentParser(prog="rljax export",
                                    description="Write a training checkpoint as a Hugging Face model directory.")
   parser.add_argument("--checkpoint", required=True,
@@ -95,7 +142,10 @@ def export_main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, tokenizer)")
   parser.add_argument("--step", type=int, default=None, help="step to export (default: the latest)")
   parser.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16", help="tensor dtype on disk")
+  parser.add_argument("--format", choices=EXPORT_FORMATS, default="merged",
+                      help="LoRA runs: merged (adapters folded into the base, a plain HF model) or peft (the "
+                           "adapters alone: adapter_config.json + adapter_model.safetensors)")
   args = parser.parse_args(argv)
-  out = export_checkpoint(args.checkpoint, args.out, step=args.step, dtype=args.dtype)
+  out = export_checkpoint(args.checkpoint, args.out, step=args.step, dtype=args.dtype, fmt=args.format)
   print(out)
   return 0
