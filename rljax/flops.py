@@ -27,13 +27,35 @@ _PEAK_BF16 = (
 )
 
 
+def _weight_matmul_flops(config, tokens: int) -> float:
+  """FLOPs of the forward's weight matmuls (projections, MLP, output head) over `tokens` tokens."""
+  c = config
+  per_layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
+  return float(tokens) * 2.0 * (c.num_layers * per_layer + c.vocab_size * c.hidden_size)
+
+
+def _adapter_flops(config, tokens: int) -> float:
+  """FLOPs of the LoRA adapters' forward, (x A) B on each adapted projection (0 without LoRA)."""
+  c = config
+  if getattr(c, "lora", None) is None:
+    return 0.0
+  d, q, kv, f = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+  sizes = {"q": d + q, "k": d + kv, "v": d + kv, "o": q + d, "gate": d + f, "up": d + f, "down": f + d}
+  return float(tokens) * 2.0 * c.lora.rank * c.num_layers * sum(sizes[t] for t in c.lora.targets)
+
+
 def forward_flops(config, tokens: int, context: float) -> float:
   """FLOPs of one forward over `tokens` tokens whose attention spans `context` keys on average."""
   c = config
-  per_layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
-  matmul_params = c.num_layers * per_layer + c.vocab_size * c.hidden_size  # + the output projection
   attention = 4 * context * c.num_heads * c.head_dim * c.num_layers      # q.k and p.v per token
-  return float(tokens) * (2.0 * matmul_params + attention)
+  return _weight_matmul_flops(c, tokens) + float(tokens) * attention + _adapter_flops(c, tokens)
+
+
+def train_flops(config, tokens: int, context: float) -> float:
+  """FLOPs of forward + backward: 3 forwards, less the weight gradients of frozen weights under
+  LoRA (the base's matmuls need gradients for their inputs only: 2 forwards' worth)."""
+  frozen = _weight_matmul_flops(config, tokens) if getattr(config, "lora", None) is not None else 0.0
+  return 3 * forward_flops(config, tokens, context) - frozen
 
 
 def rollout_step_flops(config, *, sample_prompts: int, update_prompts: int, group: int, prompt_len: int,
@@ -42,7 +64,7 @@ def rollout_step_flops(config, *, sample_prompts: int, update_prompts: int, grou
   """FLOPs of one generate-score-update step, by phase.
 
   sample: one prefill per prompt ([sample_prompts, prompt_len]), then `decode_steps` tokens for
-  each of sample_prompts * group rows. update: forward + backward (3 forwards) over
+  each of sample_prompts * group rows. update: forward + backward (`train_flops`) over
   [update_prompts * group, prompt_len + completion_len] per epoch, plus `extra_forwards` forwards
   (a reference model, recomputed old log-probs). The two prompt counts differ under dynamic
   sampling, which generates for more prompts than it trains on.
@@ -50,8 +72,9 @@ def rollout_step_flops(config, *, sample_prompts: int, update_prompts: int, grou
   prefill = forward_flops(config, sample_prompts * prompt_len, prompt_len / 2)
   decode = forward_flops(config, sample_prompts * group * decode_steps, prompt_len + decode_steps / 2)
   seq = prompt_len + completion_len
-  update_forward = forward_flops(config, update_prompts * group * seq, seq / 2)
-  return {"sample": prefill + decode, "update": (3 * epochs + extra_forwards) * update_forward}
+  tokens = update_prompts * group * seq
+  update = epochs * train_flops(config, tokens, seq / 2) + extra_forwards * forward_flops(config, tokens, seq / 2)
+  return {"sample": prefill + decode, "update": update}
 
 
 def timed(fn, iters: int, reduce=statistics.median) -> float:

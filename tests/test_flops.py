@@ -81,3 +81,26 @@ def test_peak_from_the_environment_and_utilization_never_above_one(monkeypatch):
   assert flops.utilization(1e11, 2e11) == 0.5
   assert flops.utilization(3e11, 2e11) == 1.0
   assert flops.utilization(1e11, 0.0) == 0.0 and flops.utilization(float("nan"), 1.0) == 0.0
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_lora_flops_match_xla_cost_analysis(train):
+  """With LoRA the forward adds the adapters' (x A) B; forward + backward skips the frozen base's
+  weight gradients (its matmuls back-propagate to their inputs only)."""
+  from rljax.models import LoraConfig, lora
+  config = tiny(num_layers=1, lora=LoraConfig(rank=16))
+  base, adapters = lora.split(init_params(config, jax.random.key(0)))
+  batch, length = 4, 128
+  tokens = jnp.zeros((batch, length), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  forward = lambda a, b: apply_model(config, lora.join(b, a), tokens, positions)[0]
+  # A loss whose value and gradient need the logits (a linear one's gradient does not need them
+  # and XLA drops the forward's output head).
+  fn = jax.value_and_grad(lambda a, b: jnp.sum(jax.nn.log_softmax(forward(a, b)))) if train else forward
+  cost = jax.jit(fn).lower(adapters, base).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  ours = (flops.train_flops if train else flops.forward_flops)(config, batch * length, context=length)
+  assert ours == pytest.approx(cost["flops"], rel=0.08)
+  full = 3 * flops.forward_flops(config.replace(lora=None), batch * length, context=length)
+  if train:
+    assert ours < 0.8 * full

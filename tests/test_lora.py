@@ -263,3 +263,36 @@ def test_lora_run_exports_merged_and_peft_and_rljax_export_agrees(tmp_path):
     assert a.keys() == b.keys()
     for k in a:   # the A B product of a sharded and a one-device run may round differently: 2 ulp
       np.testing.assert_allclose(a[k], b[k], rtol=2.4e-7, atol=1e-8)
+
+
+def test_adapters_are_sharded_like_the_weights_they_adapt_and_a_mesh_trains_like_one_device(tmp_path):
+  """On mesh (1, 2, 4) an adapter takes its kernel's layout on the axes they share (A's input
+  axis, B's output axes; the rank axis replicated) and the base keeps the full-FT layout. Two
+  steps there equal two steps on the data-parallel mesh (8, 1, 1) to float32 reduction order
+  (the bound of tests/test_trainer.py::test_sharded_step_matches_single_device)."""
+  from jax.sharding import PartitionSpec as P
+  lr, eps, rho = 0.1, 1e-3, 2e-5
+  opt = (f"optim.learning_rate={lr}", f"optim.eps={eps}", "rl.kl_coef=0.0")
+  runs = {}
+  for shape in ("(8, 1, 1)", "(1, 2, 4)"):
+    trainer = Trainer(smoke(tmp_path / shape.replace(" ", ""), f"mesh.shape={shape}", *opt))
+    try:
+      metrics = [trainer.run_step() for _ in range(2)]
+      runs[shape] = (metrics, jax.device_get(trainer.state.params), trainer.state)
+    finally:
+      trainer.close()
+  state = runs["(1, 2, 4)"][2]
+  attn, mlp = state.params["layers"]["attn"], state.params["layers"]["mlp"]
+  assert attn["q_lora_a"].sharding.spec == P(None, "fsdp", None)
+  assert attn["q_lora_b"].sharding.spec == P(None, None, "tensor", None)
+  assert attn["o_lora_a"].sharding.spec == P(None, "tensor", None, None)
+  assert mlp["down_lora_a"].sharding.spec == P(None, "tensor", None)
+  assert mlp["up_lora_b"].sharding.spec == P(None, None, "tensor")
+  assert state.frozen["layers"]["attn"]["q_kernel"].sharding.spec == P(None, "fsdp", "tensor", None)
+  (one, p_one, _), (other, p_other, _) = runs["(8, 1, 1)"], runs["(1, 2, 4)"]
+  for a, b in zip(one, other):
+    assert a["sampler/tokens"] == b["sampler/tokens"] and a["reward/mean"] == b["reward/mean"]
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rho)
+  a, b = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)]).astype(np.float64) for p in (p_one, p_other))
+  bound = 3 * (lr / eps) * rho * max(m["grad_norm"] for m in one)
+  assert np.linalg.norm(a - b) <= bound, (np.linalg.norm(a - b), bound)
