@@ -154,13 +154,18 @@ def cmd_train(argv: Sequence[str]) -> int:
   source = path or (", ".join(gin_files) if gin_files else "the embedded default (configs/default.py)")
   print(f"rljax train: {source}; model {cfg.model.path}; "
         f"{cfg.train.steps} steps of {cfg.train.prompts_per_step} prompts x {cfg.sampling.num_samples} samples, "
-        f"rl.preset={cfg.rl.preset}, rollout.mode={cfg.rollout.mode}; {where}", flush=True)
+        f"rl.preset={cfg.rl.preset}, rollout.mode={cfg.rollout.mode}"
+        f"{f', LoRA rank {cfg.model.lora.rank}' if cfg.model.lora.rank else ''}; {where}", flush=True)
   print("loading the model and building the run ...", flush=True)
   from rljax.trainer.loop import Trainer
   trainer = Trainer(cfg)
   if args.dry_run:
     mc = getattr(trainer, "model_config", None) or getattr(getattr(trainer, "policy", None), "config", None)
     size = f" ({mc.num_params / 1e6:.1f}M params)" if mc is not None else ""
+    if mc is not None and mc.lora is not None:
+      import jax
+      trainable = sum(x.size for x in jax.tree.leaves(trainer.state.params))
+      size = f" ({mc.num_params / 1e6:.1f}M params frozen, {trainable / 1e6:.2f}M LoRA parameters trained)"
     print(f"config OK; model {cfg.model.path}{size}; run dir {out} (dry run: no config, metrics or checkpoint "
           "written)")
     trainer.close()

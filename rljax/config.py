@@ -30,9 +30,11 @@ def base_config() -> ml_collections.ConfigDict:
       dtype="float32",                # compute dtype of activations
       remat=False,                    # recompute layer activations in the backward pass
       attention="auto",               # learner attention: auto | xla | chunked | cudnn | splash (docs/models.md)
-      lora=ml_collections.ConfigDict(dict(   # low-rank adapters (docs/models.md#lora); rank 0 = full fine-tuning
-          rank=0, alpha=16.0, dropout=0.0,
-          targets=["q", "k", "v", "o", "gate", "up", "down"],   # projections adapted; base frozen in model.dtype
+      lora=ml_collections.ConfigDict(dict(   # low-rank adapters (README "LoRA"; docs/models.md#lora)
+          rank=0,                     # adapter rank; 0 = full fine-tuning. > 0: the base is frozen in model.dtype
+          alpha=16.0,                 # the adapter's output is scaled by alpha / rank
+          dropout=0.0,                # dropout on the adapter input, in the learner's loss forward only
+          targets=["q", "k", "v", "o", "gate", "up", "down"],   # projections adapted (attention and MLP)
       ), type_safe=False),
       random=ml_collections.ConfigDict(dict(   # used when path == "random" (tests, smoke runs)
           vocab_size=0, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
