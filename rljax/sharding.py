@@ -35,7 +35,9 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("length", None),
     ("norm", None),
-    ("lora_rank", None),   # LoRA adapters: sharded like the weight they adapt on its other axes
+    # LoRA adapters: sharded like the weight they adapt on the axes they share, and over fsdp on
+    # the rank where that axis is free (B's; A's input axis already takes fsdp): ZeRO-3 for adapters.
+    ("lora_rank", "fsdp"),
 )
 
 
@@ -170,7 +172,7 @@ def local_indices(sharding, shape: Sequence[int]) -> np.ndarray:
 # all-gather every layer's weights for every token (about 13 GB per chip per token for 7B);
 # this layout is made once per step, device to device, and needs no weight collective per token.
 DECODE_RULES: tuple[tuple[str, Any], ...] = tuple(
-    (name, None if name == "embed" else axes) for name, axes in DEFAULT_RULES)
+    (name, None if name in ("embed", "lora_rank") else axes) for name, axes in DEFAULT_RULES)
 
 
 def decode_param_shardings(logical_axes_tree, shapes, mesh: Mesh, *, max_bytes_per_device: int | None = None,

@@ -267,7 +267,8 @@ def test_lora_run_exports_merged_and_peft_and_rljax_export_agrees(tmp_path):
 
 def test_adapters_are_sharded_like_the_weights_they_adapt_and_a_mesh_trains_like_one_device(tmp_path):
   """On mesh (1, 2, 4) an adapter takes its kernel's layout on the axes they share (A's input
-  axis, B's output axes; the rank axis replicated) and the base keeps the full-FT layout. Two
+  axis, B's output axes) and its rank axis goes over fsdp where fsdp is still free (ZeRO-3 for the
+  adapters and their moments); the base keeps the full-FT layout. Two
   steps there equal two steps on the data-parallel mesh (8, 1, 1) to float32 reduction order
   (the bound of tests/test_trainer.py::test_sharded_step_matches_single_device)."""
   from jax.sharding import PartitionSpec as P
@@ -284,10 +285,10 @@ def test_adapters_are_sharded_like_the_weights_they_adapt_and_a_mesh_trains_like
   state = runs["(1, 2, 4)"][2]
   attn, mlp = state.params["layers"]["attn"], state.params["layers"]["mlp"]
   assert attn["q_lora_a"].sharding.spec == P(None, "fsdp", None)
-  assert attn["q_lora_b"].sharding.spec == P(None, None, "tensor", None)
-  assert attn["o_lora_a"].sharding.spec == P(None, "tensor", None, None)
-  assert mlp["down_lora_a"].sharding.spec == P(None, "tensor", None)
-  assert mlp["up_lora_b"].sharding.spec == P(None, None, "tensor")
+  assert attn["q_lora_b"].sharding.spec == P(None, "fsdp", "tensor", None)
+  assert attn["o_lora_a"].sharding.spec == P(None, "tensor", None, "fsdp")
+  assert mlp["down_lora_a"].sharding.spec == P(None, "tensor", "fsdp")
+  assert mlp["up_lora_b"].sharding.spec == P(None, "fsdp", "tensor")
   assert state.frozen["layers"]["attn"]["q_kernel"].sharding.spec == P(None, "fsdp", "tensor", None)
   (one, p_one, _), (other, p_other, _) = runs["(8, 1, 1)"], runs["(1, 2, 4)"]
   for a, b in zip(one, other):

@@ -39,16 +39,21 @@ def run_main(argv):
   return status, out.getvalue()
 
 
-def expected_param_bytes(mc, fsdp: int) -> int:
-  """Per-device fp32 parameter bytes worked out by hand: a dimension named `embed` is split over the
-  fsdp axis when it divides it; nothing else is split (data and tensor are 1)."""
+def expected_param_bytes(mc, fsdp: int, part: str | None = None) -> int:
+  """Per-device parameter bytes worked out by hand, in each leaf's dtype (mc.param_dtype; LoRA
+  adapters float32): a dimension named `embed` is split over the fsdp axis when it divides it;
+  nothing else is split (data and tensor are 1). part: "base" or "adapters" of a LoRA tree."""
+  from rljax.models import lora
   from rljax.models.policy import init_params, param_logical_axes
   shapes = jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
   axes = param_logical_axes(mc)
+  if part is not None:
+    pick = {"base": 0, "adapters": 1}[part]
+    shapes, axes = lora.split(shapes)[pick], lora.split(axes)[pick]
   total = 0
   for names, x in zip(jax.tree.leaves(axes, is_leaf=lambda t: isinstance(t, tuple)), jax.tree.leaves(shapes)):
     split = fsdp if "embed" in names and x.shape[names.index("embed")] % fsdp == 0 else 1
-    total += math.prod(x.shape) * 4 // split
+    total += math.prod(x.shape) * x.dtype.itemsize // split
   return total
 
 
@@ -87,6 +92,55 @@ def test_learner_plan_on_8_devices_exact_bytes_sharded_rows_and_no_fit_verdict()
   assert any("--topology cpu:16" in s for s in learner["suggestions"])
   text = render_text(plan)
   assert "learner does not fit; what to change:" in text and "verdict: does NOT fit" in text
+
+
+def test_lora_plan_reports_frozen_base_adapters_and_no_reference_copy(tmp_path):
+  # Rank 3 (none of TINY's sizes): the adapters' [rows, seq, rank] activations show in the HLO.
+  # bf16 compute stores the frozen base in bf16; rl.kl_coef > 0 needs a reference, which under
+  # LoRA is the base itself.
+  lora_args = ["--config.model.dtype=bfloat16", "--config.rl.kl_coef=0.05", "--topology", "cpu:8", "--json"]
+  status, out = run_main(TINY + lora_args + ["--config.model.lora.rank=3", "--dump-hlo", str(tmp_path)])
+  plan = json.loads(out)
+  assert status == 0
+  sampler, learner = plan["programs"]["sampler"], plan["programs"]["learner"]
+
+  from rljax.models.config import LoraConfig, ModelConfig
+  base = ModelConfig(vocab_size=320, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=12, tie_word_embeddings=True, param_dtype="bfloat16")
+  mc = base.replace(lora=LoraConfig(rank=3))
+  frozen = expected_param_bytes(mc, fsdp=8, part="base")
+  adapters = expected_param_bytes(mc, fsdp=8, part="adapters")
+  assert frozen == expected_param_bytes(base, fsdp=8)   # the base alone, 2 bytes a parameter
+  assert plan["model"]["param_dtype"] == "bfloat16" and plan["model"]["lora"]["rank"] == 3
+  # Per layer r * (in + out) of q 48->48, k 48->24, v 48->24, o 48->48, gate/up 48->96, down 96->48.
+  assert plan["model"]["trainable_params"] == 2 * 3 * (96 + 72 + 72 + 96 + 3 * 144)
+  assert plan["model"]["params"] == base.num_params
+  for p in (sampler, learner):
+    assert p["frozen_params_bytes"] == frozen and p["params_bytes"] == adapters
+  # AdamW's two moments are the adapters' (fp32), not the base's; the rest is a few counters.
+  assert 2 * adapters <= learner["opt_state_bytes"] <= 2 * adapters + 64
+  # No reference copy: the KL reference is the base with the adapters off.
+  assert plan["run"]["reference_model"] is True and plan["run"]["reference_copy"] is False
+  assert learner["ref_params_bytes"] == 0
+  assert learner["state_bytes"] == frozen + adapters + learner["opt_state_bytes"]
+  # The donated state (base included) is the learner's argument; the sampler is given base + adapters.
+  assert learner["argument_bytes"] >= learner["state_bytes"] and learner["alias_bytes"] >= frozen + adapters
+  assert sampler["argument_bytes"] >= frozen + adapters
+  # Both programs traced the adapted model: x A per chip is [5 rows, 23 tokens, rank 3] in the
+  # learner and [5 rows, rank 3] per decoded token in the sampler.
+  for program, shape in (("learner", f"[5,{SEQ},3]"), ("sampler", "[5,3]")):
+    assert shape in (tmp_path / f"{program}.L2.hlo.txt").read_text(), program
+  assert "frozen base params" in render_text(plan)
+
+  # The same model, fully fine-tuned: fp32 parameters, their moments and a reference copy.
+  status, out = run_main(TINY + lora_args + ["--program", "learner"])
+  full = json.loads(out)
+  full_learner = full["programs"]["learner"]
+  assert full["model"]["lora"] is None and full["run"]["reference_copy"] is True
+  assert full_learner["frozen_params_bytes"] == 0
+  assert full_learner["params_bytes"] == full_learner["ref_params_bytes"] == expected_param_bytes(
+      base.replace(param_dtype="float32"), fsdp=8)
+  assert learner["state_bytes"] < full_learner["state_bytes"]
 
 
 def test_bad_topology_names_the_flag():

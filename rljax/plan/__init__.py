@@ -8,11 +8,14 @@ time for a deviceless TPU topology (libtpu: `pip install 'rljax[tpu]'`) or for N
 devices (`--topology cpu:8`), allocates nothing of the model's size, and prints per chip:
 parameters and optimizer state, temporaries, KV cache, peak against the chip's memory, collective
 bytes per decode token and per update, compile time, and what to change when it does not fit.
-docs/plan.md says how each figure is computed.
+With config.model.lora.rank > 0 it plans the LoRA run: the frozen base (in model.dtype) is reported
+apart from the trainable adapters and their optimizer state. docs/plan.md says how each figure is
+computed.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Sequence
@@ -38,6 +41,8 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
   from rljax.plan import programs as progs
   from rljax.plan import report as rep
   devices = topo.devices()
+  if topo.hbm_bytes:   # a deviceless chip reports no memory: give the sampler's layout choice its budget
+    run = dataclasses.replace(run, decode_budget_bytes=topo.hbm_bytes // 2)
   mesh = shd.make_mesh(tuple(run.config.mesh.shape), devices=devices)
   mesh_shape = dict(mesh.shape)
   full = progs.build_inputs(run, mesh)
@@ -58,7 +63,10 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
       compiled = rep.extrapolate(points[0], points[1], run.model.num_layers)
     r = rep.ProgramReport(
         program=program, compiled=compiled,
-        params_bytes=full.sampler_param_bytes if program == "sampler" else full.param_bytes,
+        # The sampler is given the parameters the state holds: under LoRA the frozen base joined
+        # with the adapters (reported apart, as for the learner), otherwise the trained parameters.
+        params_bytes=full.sampler_param_bytes - full.frozen_bytes if program == "sampler" else full.param_bytes,
+        frozen_params_bytes=full.frozen_bytes,
         opt_state_bytes=0 if program == "sampler" else full.opt_bytes,
         ref_params_bytes=0 if program == "sampler" else full.ref_bytes,
         kv_cache_bytes=0 if program == "learner" else kv,
@@ -67,14 +75,18 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
     reports.append(r)
   c = run.config
   notes = list(run.notes)
+  if run.lora is not None and run.needs_reference:
+    notes.append("LoRA: the KL reference is the frozen base with the adapters off; no second copy of the model "
+                 "is kept (reference params 0).")
   return {
       "topology": {"name": topo.name, "platform": topo.platform, "chips": topo.chips,
                    "description": topo.describe(), "hbm_bytes": topo.hbm_bytes, "mesh": mesh_shape},
-      "model": rep.model_json(run),
+      "model": rep.model_json(run, full.trainable_params),
       "run": {"prompts": run.prompts, "group": run.group, "rows": run.rows,
               "rows_per_chip": progs.rows_per_chip(mesh, run.rows), "prompt_tokens": run.prompt_len,
               "completion_tokens": run.completion_len, "updates": run.updates,
-              "micro_batches": c.train.micro_batches, "reference_model": run.needs_reference},
+              "micro_batches": c.train.micro_batches, "reference_model": run.needs_reference,
+              "reference_copy": run.reference_copy},
       "programs": {r.program: r.to_json() for r in reports},
       "fits": rep.overall_fits(reports),
       "notes": notes,

@@ -61,10 +61,22 @@ class Run:
   needs_reference: bool
   updates: int
   notes: list[str]
+  decode_budget_bytes: int | None = None   # the sampler's weight-layout budget (half a chip's HBM); None: ask the device
 
   @property
   def rows(self) -> int:
     return self.prompts * self.group
+
+  @property
+  def lora(self):
+    """The run's LoraConfig (config.model.lora.rank > 0), or None for full fine-tuning."""
+    return self.model.lora
+
+  @property
+  def reference_copy(self) -> bool:
+    """Whether the state keeps a second copy of the model as the KL reference: full fine-tuning with
+    a KL term only; under LoRA the reference is the frozen base itself."""
+    return self.needs_reference and self.lora is None
 
   def with_layers(self, layers: int) -> "Run":
     """The same run on a model with `layers` layers (for depth extrapolation)."""
@@ -119,8 +131,19 @@ def model_config(config: ml_collections.ConfigDict) -> tuple[ModelConfig, str]:
       mc = open_gguf(file).config
       source = file
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  overrides = {k: m[k] for k in m.keys() if k in fields and k not in ("path", "random")}
-  return mc.replace(**overrides), source
+  # config.model.lora is a sub-config, turned into the LoraConfig by `apply_lora`.
+  overrides = {k: m[k] for k in m.keys() if k in fields and k not in ("path", "random", "lora")}
+  return apply_lora(config, mc.replace(**overrides)), source
+
+
+def apply_lora(config: ml_collections.ConfigDict, mc: ModelConfig) -> ModelConfig:
+  """The ModelConfig the trainer runs under config.model.lora (trainer/loop.py `load_policy`): with
+  rank > 0 it carries the LoraConfig (the traced model has the adapter matmuls) and the frozen base
+  is stored in the compute dtype (model.dtype), not float32; with rank 0 it is unchanged."""
+  lc = config_lib.lora_config(config)
+  if lc is None:
+    return mc
+  return mc.replace(lora=lc, param_dtype=mc.dtype)
 
 
 def build_run(config: ml_collections.ConfigDict) -> Run:
@@ -181,8 +204,10 @@ def bytes_per_chip(tree) -> int:
   return total
 
 
-def state_shardings(state, mesh, param_sh):
-  """Params, reference params and param-shaped optimizer moments by logical axes; the rest replicated."""
+def state_shardings(state, mesh, param_sh, frozen_sh=None):
+  """Params, reference params and param-shaped optimizer moments by logical axes; the rest replicated.
+  Under LoRA `param_sh` is the adapters' and `frozen_sh` the frozen base's (trainer/loop.py
+  `_state_shardings`)."""
   replicated = NamedSharding(mesh, P())
   param_struct = jax.tree.structure(state.params)
   is_param_tree = lambda n: jax.tree.structure(n) == param_struct
@@ -191,6 +216,8 @@ def state_shardings(state, mesh, param_sh):
   out = jax.tree.map(lambda _: replicated, state).replace(params=param_sh, opt_state=opt_sh)
   if state.ref_params is not None:
     out = out.replace(ref_params=param_sh)
+  if state.frozen is not None:
+    out = out.replace(frozen=frozen_sh)
   return out
 
 
@@ -224,26 +251,38 @@ class Inputs:
   prompt_mask: Any
   rollout: Any          # scored Rollout [N, ...]
   rollout_sh: Any       # the sampler's output shardings: every row-major leaf split by rows
-  param_bytes: int
+  param_bytes: int          # the trained parameters (under LoRA: the adapters)
   opt_bytes: int
   ref_bytes: int
-  sampler_param_bytes: int
+  sampler_param_bytes: int  # what the sampler is given: `param_bytes + frozen_bytes`
+  frozen_bytes: int = 0     # LoRA: the frozen base, in the storage dtype (model.dtype)
+  trainable_params: int = 0  # parameter count the optimizer updates (the whole model, or the adapters)
 
 
 def build_inputs(run: Run, mesh) -> Inputs:
+  from rljax.models import lora
   from rljax.models.policy import init_params, param_shardings
   from rljax.trainer.state import TrainState
   mc = run.model
   params = jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
   psh = param_shardings(mc, mesh)
   seed = run.config.train.seed
-  state = jax.eval_shape(lambda p: TrainState.create(p, run.optimizer, seed,
-                                                     ref_params=p if run.needs_reference else None), params)
-  state_sh = state_shardings(state, mesh, psh)
+  if run.lora is None:
+    state = jax.eval_shape(lambda p: TrainState.create(p, run.optimizer, seed,
+                                                       ref_params=p if run.needs_reference else None), params)
+    state_sh = state_shardings(state, mesh, psh)
+  else:
+    # As Trainer._setup_state builds it: the base frozen in its storage dtype, the adapters and
+    # their AdamW moments as params / opt_state, no reference copy (the base is the reference).
+    base, adapters = lora.split(params)
+    base_sh, adapter_sh = lora.split(psh)
+    state = jax.eval_shape(lambda a, b: TrainState.create(a, run.optimizer, seed, frozen=b), adapters, base)
+    state_sh = state_shardings(state, mesh, adapter_sh, frozen_sh=base_sh)
   state = abstract(state, state_sh)
   # The sampler reads the train state's parameters, as the fused step passes them (fp32, the
-  # learner's layout); a decode layout (rljax.sharding.DECODE_RULES) is made inside the program.
-  sampler_params = state.params
+  # learner's layout; under LoRA the frozen base joined with the adapters, `model_params`); a
+  # decode layout (rljax.sharding.DECODE_RULES) is made inside the program.
+  sampler_params = state.model_params()
   replicated = NamedSharding(mesh, P())
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
   prompts = shd.batch_sharding(mesh, 2, run.prompts)
@@ -259,8 +298,10 @@ def build_inputs(run: Run, mesh) -> Inputs:
   return Inputs(state=state, state_sh=state_sh, sampler_params=sampler_params, key=key, prompt_ids=prompt_ids,
                 prompt_mask=prompt_mask, rollout=rollout, rollout_sh=jax.tree.map(rows, unscored),
                 param_bytes=bytes_per_chip(state.params),
-                opt_bytes=opt_bytes, ref_bytes=bytes_per_chip(state.ref_params) if run.needs_reference else 0,
-                sampler_param_bytes=bytes_per_chip(sampler_params))
+                opt_bytes=opt_bytes, ref_bytes=bytes_per_chip(state.ref_params) if state.ref_params is not None else 0,
+                sampler_param_bytes=bytes_per_chip(sampler_params),
+                frozen_bytes=bytes_per_chip(state.frozen) if state.frozen is not None else 0,
+                trainable_params=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)))
 
 
 # ---- the step functions (the lead's step API) ---------------------------------------------------
@@ -268,7 +309,7 @@ def build_inputs(run: Run, mesh) -> Inputs:
 
 def make_generate(run: Run, mesh):
   from rljax.trainer.step import make_generate_fn
-  return make_generate_fn(run.spec, mesh)
+  return make_generate_fn(run.spec, mesh, decode_budget_bytes=run.decode_budget_bytes)
 
 
 def make_update(run: Run, mesh):
@@ -409,7 +450,7 @@ def _program(program: str, run: Run, mesh, inputs: Inputs) -> tuple[Callable, tu
 
     def step(state, prompt_ids, prompt_mask):
       state, key = state.next_rng()
-      rollout = generate(state.params, key, prompt_ids, prompt_mask)
+      rollout = generate(state.model_params(), key, prompt_ids, prompt_mask)
       return update(state, rollout.with_rewards(*stand_in_rewards(rollout, run.components)))
 
     return step, (inputs.state, inputs.prompt_ids, inputs.prompt_mask), donate

@@ -2,7 +2,9 @@
 and JSON renderings.
 
 Per program (all figures per chip, bytes):
-  params_bytes, opt_state_bytes, ref_params_bytes: exact, from each leaf's shard shape;
+  params_bytes, opt_state_bytes, ref_params_bytes: exact, from each leaf's shard shape; under LoRA
+    params_bytes is the trainable adapters (fp32) and frozen_params_bytes the frozen base (in its
+    storage dtype, model.dtype), which is also the KL reference (ref_params_bytes 0);
   kv_cache_bytes (sampler, fused): 2 * L * K * Dh * (P * Lp + N * T) * dtype bytes, split like the
     sampler splits the caches (rows over data x fsdp, KV heads over tensor);
   argument / output / alias / temp bytes: the compiler's memory analysis of the per-chip program;
@@ -71,12 +73,19 @@ class ProgramReport:
   ref_params_bytes: int
   kv_cache_bytes: int
   hbm_bytes: int | None
+  frozen_params_bytes: int = 0
   extrapolated_from: tuple[int, int] | None = None
   suggestions: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def peak_bytes(self) -> int | None:
     return self.compiled.peak_bytes
+
+  @property
+  def state_bytes(self) -> int:
+    """What the program holds of the train state: parameters (trainable and frozen), optimizer state
+    and reference copy (the sampler: the parameters it is given)."""
+    return self.params_bytes + self.frozen_params_bytes + self.opt_state_bytes + self.ref_params_bytes
 
   @property
   def fits(self) -> bool | None:
@@ -95,6 +104,8 @@ class ProgramReport:
         "peak_bytes": self.peak_bytes,
         "hbm_bytes": self.hbm_bytes,
         "params_bytes": self.params_bytes,
+        "frozen_params_bytes": self.frozen_params_bytes,
+        "state_bytes": self.state_bytes,
         "opt_state_bytes": self.opt_state_bytes,
         "ref_params_bytes": self.ref_params_bytes,
         "kv_cache_bytes": self.kv_cache_bytes,
@@ -131,7 +142,7 @@ def suggestions(rep: ProgramReport, run: Run, topo: Topology, mesh_shape: dict[s
   out = []
   cfg, mc = run.config, run.model
   hbm = rep.hbm_bytes or rep.compiled.oom_available_bytes
-  state = rep.params_bytes + rep.opt_state_bytes + rep.ref_params_bytes
+  state = rep.state_bytes
   data, fsdp, tensor = mesh_shape["data"], mesh_shape["fsdp"], mesh_shape["tensor"]
   chips = data * fsdp * tensor
   if fsdp * tensor == 1 and chips > 1:
@@ -179,17 +190,27 @@ def render_text(plan: dict) -> str:
       f"{r['prompts']} prompt{'s' * (r['prompts'] != 1)} x {r['group']} samples = {r['rows']} rows "
       f"({r['rows_per_chip']} per chip); "
       f"{r['prompt_tokens']} prompt + {r['completion_tokens']} completion tokens per row",
-      f"compute {m['dtype']}, parameters {m['param_dtype']}, remat {'on' if m['remat'] else 'off'}"
+      f"compute {m['dtype']}, parameters {m['param_dtype']}"
+      + (f" (frozen base) + float32 LoRA adapters, rank {m['lora']['rank']} on {','.join(m['lora']['targets'])}: "
+         f"{m['trainable_params'] / 1e6:.2f}M trainable" if m.get("lora") else "")
+      + f", remat {'on' if m['remat'] else 'off'}"
       + (f", attention {m['attention']}" if m.get("attention") else "")
       + f", {r['updates']} optimizer update(s) per step, {r['micro_batches']} micro-batch(es) each",
   ]
   for note in plan.get("notes", []):
     lines.append(f"note: {note}")
   names = list(progs)
+  lora = bool(m.get("lora"))
   rows = [
-      ("parameters", lambda p: fmt_bytes(p["params_bytes"])),
+      ("trainable params (adapters)" if lora else "parameters", lambda p: fmt_bytes(p["params_bytes"])),
+  ]
+  if lora:
+    rows.append(("frozen base params", lambda p: fmt_bytes(p["frozen_params_bytes"])))
+  rows += [
       ("optimizer state", lambda p: fmt_bytes(p["opt_state_bytes"]) if p["program"] != "sampler" else "-"),
-      ("reference params", lambda p: fmt_bytes(p["ref_params_bytes"]) if p["ref_params_bytes"] else "-"),
+      ("reference params", lambda p: fmt_bytes(p["ref_params_bytes"]) if p["ref_params_bytes"] else
+       ("- (the base)" if lora and r["reference_model"] and p["program"] != "sampler" else "-")),
+      ("state (sum of the above)", lambda p: fmt_bytes(p["state_bytes"])),
       ("KV cache", lambda p: fmt_bytes(p["kv_cache_bytes"]) if p["program"] != "learner" else "-"),
       ("temporaries", lambda p: fmt_bytes(p["temp_bytes"])),
       ("arguments + outputs - aliased", lambda p: fmt_bytes(None if p["argument_bytes"] is None else
@@ -243,11 +264,17 @@ def overall_fits(reports: list[ProgramReport]) -> bool | None:
   return True
 
 
-def model_json(run: Run) -> dict:
+def model_json(run: Run, trainable_params: int | None = None) -> dict:
+  """The model's shape and dtypes. params: the base model's parameter count; trainable_params: what the
+  optimizer updates (the adapters under LoRA); lora: rank, alpha, dropout, targets, or None."""
   mc = run.model
+  lc = mc.lora
   out = {"name": run.model_source, "params": mc.num_params, "layers": mc.num_layers, "hidden": mc.hidden_size,
          "heads": mc.num_heads, "kv_heads": mc.num_kv_heads, "vocab": mc.vocab_size, "dtype": mc.dtype,
-         "param_dtype": mc.param_dtype, "remat": mc.remat}
+         "param_dtype": mc.param_dtype, "remat": mc.remat,
+         "trainable_params": mc.num_params if trainable_params is None else trainable_params,
+         "lora": None if lc is None else {"rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout,
+                                          "targets": list(lc.targets)}}
   if getattr(mc, "attention", None) is not None:
     out["attention"] = mc.attention
   return out

@@ -131,17 +131,19 @@ def _select_groups(spec: StepSpec, rollout: Rollout):
   return picked, metrics
 
 
-def make_generate_fn(spec: StepSpec, mesh: jax.sharding.Mesh | None = None):
+def make_generate_fn(spec: StepSpec, mesh: jax.sharding.Mesh | None = None, *,
+                     decode_budget_bytes: int | None = None):
   """The single-turn producer: `generate(params, key, prompt_ids [P*O, Lp], prompt_mask) -> Rollout`.
 
   Rows prompt-major, P*O*G of them; traced with `mesh` and the logical-axis rules in scope, so
   every per-row array and the KV cache are split by rows over (data, fsdp).
+  decode_budget_bytes: see `decode_params` (None: half the device's memory, as it reports it).
   """
 
   def generate(params, key, prompt_ids, prompt_mask) -> Rollout:
     with shd.activate(mesh):
-      out = sample(spec.model, decode_params(spec.model, params, mesh), prompt_ids, prompt_mask, spec.sampling, key,
-                   eos_ids=spec.eos_ids, mesh=mesh)
+      out = sample(spec.model, decode_params(spec.model, params, mesh, decode_budget_bytes), prompt_ids,
+                   prompt_mask, spec.sampling, key, eos_ids=spec.eos_ids, mesh=mesh)
     return Rollout.single_turn(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, tokens=out.tokens,
                                mask=out.mask, logprobs=out.logprobs, entropy=out.entropy, lengths=out.lengths,
                                truncated=out.truncated, group_size=spec.group)
@@ -149,22 +151,25 @@ def make_generate_fn(spec: StepSpec, mesh: jax.sharding.Mesh | None = None):
   return generate
 
 
-def decode_params(model: ModelConfig, params, mesh):
+def decode_params(model: ModelConfig, params, mesh, budget_bytes: int | None = None):
   """The sampler's copy of the parameters, made once per step device to device: matrices in the
   compute dtype (vectors such as norm scales stay as stored: the learner applies them in float32
   too), laid out by `shd.DECODE_RULES`: replicated over data and fsdp, split over tensor, so a
   decoded token all-gathers no weights (the learner's fsdp layout would gather every layer's
   weights for every token). Falls back to also sharding `embed` over fsdp when the replicated
-  copy would take more than half a device's memory."""
+  copy would take more than half a device's memory (`budget_bytes`, default: read from the device;
+  `rljax plan` passes it for deviceless chips, which report none)."""
   if mesh is None:
     return params
   from rljax.models.policy import param_logical_axes
   cast = jax.tree.map(lambda p: p.astype(model.compute_dtype) if p.ndim >= 2 else p, params)
-  try:
-    stats = mesh.devices.flat[0].memory_stats() or {}
-  except Exception:  # noqa: BLE001 - deviceless (ahead-of-time) devices have no memory stats
-    stats = {}
-  budget = stats.get("bytes_limit", 0) // 2 or None
+  budget = budget_bytes
+  if budget is None:
+    try:
+      stats = mesh.devices.flat[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - deviceless (ahead-of-time) devices have no memory stats
+      stats = {}
+    budget = stats.get("bytes_limit", 0) // 2 or None
   layout = shd.decode_param_shardings(param_logical_axes(model), cast, mesh, max_bytes_per_device=budget)
   return jax.lax.with_sharding_constraint(cast, layout)
 
