@@ -17,7 +17,7 @@ commands:
   train     train a policy: rljax train [--config configs/NAME.py] [--config.FIELD=VALUE ...] [--dry-run]
             (no --config: the embedded default, SmolLM2-135M-Instruct + GRPO on arithmetic)
   eval      rljax eval --model X --data Y --verifier Z [--samples K] [--out FILE] [--tools T,...]
-  export    rljax export --checkpoint DIR --out HF_DIR [--step N] [--dtype bfloat16|float32]
+  export    rljax export --checkpoint DIR --out HF_DIR [--step N] [--dtype bfloat16|float32] [--format merged|peft]
   generate  rljax generate [--model X] --prompt TEXT [--max-new-tokens N] [--temperature T]
   config    rljax config show [--config FILE] [--config.FIELD=VALUE ...]: every field, its value, default and help
   plan      rljax plan --config FILE --topology v5p-8: will the run fit on a TPU slice, and what will it cost

@@ -224,3 +224,22 @@ def truncate(path: str, keep: float = 0.5) -> str:
   with open(path, "r+b") as f:
     f.truncate(int(size * keep))
   return path
+
+
+def tiny_retool_config(tmp_path, max_new_tokens: int = 48):
+  """configs/retool_tiny.py (multi-turn python tool use) on a tiny random model: 2 prompts x 2
+  samples, 16-token segments, output in `tmp_path`, no progress bar or TensorBoard."""
+  from rljax.configs import retool_tiny
+  c = retool_tiny.get_config()
+  c.model.path = "random"
+  c.tokenizer = "smollm2-135m-instruct"
+  c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                             head_dim=8))
+  c.sampling.max_new_tokens = max_new_tokens
+  c.tools.segment_tokens = 16
+  c.train.prompts_per_step = 2
+  c.sampling.num_samples = 2
+  c.output.dir = str(tmp_path)
+  c.output.progress = False
+  c.output.tensorboard = False
+  return c

@@ -119,18 +119,9 @@ def smoke(tmp_path, *overrides):
 
 
 def tools_config(tmp_path):
-  from rljax.configs import retool_tiny
-  c = retool_tiny.get_config()
-  c.model.path = "random"
-  c.tokenizer = "smollm2-135m-instruct"
-  c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                             head_dim=8))
-  c.sampling.max_new_tokens = 32
-  c.tools.segment_tokens = 16
-  c.train.prompts_per_step = 2
-  c.sampling.num_samples = 2
-  apply_overrides(c, [f"output.dir={str(tmp_path / 'run')!r}", "model.lora.rank=4", "rl.kl_coef=0.05",
-                      "optim.learning_rate=0.05", "output.progress=False", "output.tensorboard=False"])
+  from models_testlib import tiny_retool_config
+  c = tiny_retool_config(tmp_path / "run", max_new_tokens=32)
+  apply_overrides(c, ["model.lora.rank=4", "rl.kl_coef=0.05", "optim.learning_rate=0.05"])
   return c
 
 

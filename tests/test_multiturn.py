@@ -276,22 +276,11 @@ def test_trainer_runs_multi_turn_steps(tmp_path):
   given a script so that rows 0 and 2 run a code cell; the per-trajectory `tool_use` component
   sees their calls, and the update trains on the trajectories."""
   import types
-  from rljax.configs import retool_tiny
+  from models_testlib import tiny_retool_config
   from rljax.trainer.loop import Trainer
-  c = retool_tiny.get_config()
-  c.model.path = "random"
-  c.tokenizer = "smollm2-135m-instruct"
-  c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                             head_dim=8))
-  c.sampling.max_new_tokens = 48
-  c.tools.segment_tokens = 16
-  c.train.prompts_per_step = 2
-  c.sampling.num_samples = 2
+  c = tiny_retool_config(tmp_path)
   c.rewards.components = [dict(name="correct", verifier="arithmetic", weight=1.0),
                           dict(name="tools", verifier="tool_use", weight=0.5, kwargs=dict(per_call=1.0))]
-  c.output.dir = str(tmp_path)
-  c.output.progress = False
-  c.output.tensorboard = False
   trainer = Trainer(c)
   try:
     engine = trainer.runner.producer.engine
