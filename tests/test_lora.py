@@ -165,14 +165,23 @@ def test_lora_trains_in_every_rollout_mode(tmp_path, mode):
 
 def test_lora_resume_is_exact_and_checkpoints_hold_only_the_adapters(tmp_path):
   """4 steps straight == 2 steps, stop, resume, 2 more (bitwise on CPU); the checkpoint has no
-  base weights; resuming onto another base is refused."""
-  straight = Trainer(smoke(tmp_path / "straight", "train.steps=4"))
+  base weights; it records the base's checksum, so other weights put at the same model.path are
+  refused on resume."""
+  from rljax.models.io import save_pretrained
+  from rljax.trainer.loop import load_policy
+
+  def write_base(seed):
+    cfg = smoke(tmp_path, f"model.random.seed={seed}", "model.lora.rank=0")
+    save_pretrained(load_policy(cfg.model, cfg.tokenizer), tmp_path / "base", dtype="float32")
+
+  write_base(0)
+  cfg = lambda run: smoke(tmp_path / run, "train.steps=4", f"model.path={str(tmp_path / 'base')!r}")
+  straight = Trainer(cfg("straight"))
   want = [straight.run_step() for _ in range(4)]
   want_params = jax.device_get(straight.state.params)
   straight.close()
 
-  cfg = lambda *o: smoke(tmp_path / "split", "train.steps=4", *o)
-  first = Trainer(cfg())
+  first = Trainer(cfg("split"))
   got = [first.run_step() for _ in range(2)]
   first.save()
   first.ckpt.wait()
@@ -180,7 +189,7 @@ def test_lora_resume_is_exact_and_checkpoints_hold_only_the_adapters(tmp_path):
   first.close()
   assert saved and all(k.startswith(("params.", "opt_state.", "step", "rng")) for k in saved), sorted(saved)[:5]
   assert all("_lora_" in k for k in saved if k.startswith("params."))
-  resumed = Trainer(cfg())
+  resumed = Trainer(cfg("split"))
   assert resumed.start_step == 2
   try:
     got += [resumed.run_step() for _ in range(2)]
@@ -191,26 +200,9 @@ def test_lora_resume_is_exact_and_checkpoints_hold_only_the_adapters(tmp_path):
       assert a[key] == b[key], (step, key)
   for a, b in zip(jax.tree.leaves(jax.device_get(resumed.state.params)), jax.tree.leaves(want_params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_resume_onto_other_base_weights_is_refused(tmp_path):
-  """The checkpoint records its base's checksum: weights replaced at the same model.path are refused."""
-  from rljax.models.io import save_pretrained
-  from rljax.trainer.loop import load_policy
-
-  def write_base(seed):
-    cfg = smoke(tmp_path, f"model.random.seed={seed}", "model.lora.rank=0")
-    save_pretrained(load_policy(cfg.model, cfg.tokenizer), tmp_path / "base", dtype="float32")
-
-  write_base(0)
-  cfg = lambda: smoke(tmp_path, "train.steps=2", f"model.path={str(tmp_path / 'base')!r}")
-  first = Trainer(cfg())
-  first.run_step()
-  first.save()
-  first.close()
   write_base(1)
   with pytest.raises(ConfigError, match="another base model"):
-    Trainer(cfg())
+    Trainer(cfg("split"))
 
 
 def test_lora_run_exports_merged_and_peft_and_rljax_export_agrees(tmp_path):
