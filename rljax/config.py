@@ -407,7 +407,8 @@ RANDOM_MODEL_CONTEXT = 4096
 
 
 def model_context_length(model_cfg) -> int | None:
-  """The model's context (max_position_embeddings) read without loading its weights, or None.
+  """The model's context (`ModelConfig.context_length`: max_position_embeddings, or YaRN's scaled
+  context) read without loading its weights, or None.
 
   An HF directory's config.json, a GGUF file's (or built-in name's) `<arch>.context_length`
   header entry, RANDOM_MODEL_CONTEXT for "random". It lets the CLI refuse a prompt + completion
@@ -422,7 +423,8 @@ def model_context_length(model_cfg) -> int | None:
     if os.path.isdir(path):
       with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         hf = json.load(f)
-      return int(hf.get("max_position_embeddings", 2048))
+      from rljax.models.rope import hf_context_length
+      return hf_context_length(hf)   # RoPE scaling (YaRN) included
     if not os.path.isfile(path):
       from rljax.models import builtin
       if not builtin.is_builtin(path):

@@ -348,11 +348,11 @@ def prefill(config: ModelConfig, params, prompt_ids, prompt_mask, slots: int, co
   cache = KVCache.zeros(config, p, slots)
   cache = cache._replace(k=constrain(cache.k, ("layers", "batch", "kv_heads", "head_dim", "length")),
                          v=constrain(cache.v, ("layers", "batch", "kv_heads", "length", "head_dim")))
-  hidden, cache = apply_model(config, params, prompt_ids, positions_from_mask(prompt_mask), prompt_mask, cache,
-                              return_hidden=True)
+  out = apply_model(config, params, prompt_ids, positions_from_mask(prompt_mask), prompt_mask, cache,
+                    return_hidden=True)
   last = _last_true(prompt_mask)
-  h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [P, D]
-  return cache, Transformer(config).apply({"params": params}, h_last, method=Transformer.hidden_to_logits)
+  h_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [P, D]
+  return out.cache, Transformer(config).apply({"params": params}, h_last, method=Transformer.hidden_to_logits)
 
 
 def _last_true(x):
@@ -436,7 +436,7 @@ def forward_cached(config: ModelConfig, params, layer_params, tokens, positions,
     shared = None
     if prefix is not None:
       shared = (prefix[0][i], prefix[1][i], prefix[2]) + (() if prefix_window is None else (prefix_window,))
-    x, (k, v) = layer.apply({"params": p}, x, (k, v), jnp.asarray(flags[i]), rope, mask, index, shared)
+    x, ((k, v), _) = layer.apply({"params": p}, x, (k, v), jnp.asarray(flags[i]), rope, mask, index, shared)
     new_ks.append(k)
     new_vs.append(v)
   x = make_norm(c).apply({"params": params["final_norm"]}, x)

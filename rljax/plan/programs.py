@@ -152,7 +152,7 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
   from rljax.trainer.optim import make_optimizer
   from rljax.trainer.step import StepSpec
   mc, source = model_config(config)
-  config_lib.check_model_fits(config, mc.max_position_embeddings)
+  config_lib.check_model_fits(config, mc.context_length)
   t, s = config.train, config.sampling
   loss = config_lib.loss_config(config)
   oversample = config_lib.dynamic_oversample(config)

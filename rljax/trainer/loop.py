@@ -169,7 +169,7 @@ class Trainer:
     if config.model.path != "random":   # pretrained Gemma weights need <bos> first in every prompt
       from rljax.data.batching import check_bos
       check_bos(self.model_config.architecture, self.tokenizer, config.data.chat_template)
-    config_lib.check_model_fits(config, self.model_config.max_position_embeddings)
+    config_lib.check_model_fits(config, self.model_config.context_length)
     self.loss_cfg = config_lib.loss_config(config)
     t = config.train
     self.oversample = config_lib.dynamic_oversample(config)
