@@ -14,7 +14,7 @@ from models_testlib import hf_config, hf_model, left_padded_prompts
 
 from rljax.models.config import ModelConfig
 from rljax.models.convert import hf_to_params
-from rljax.sampling import SamplingParams, sample
+from rljax.rollout import SamplingParams, sample
 
 
 def _gemma3():
@@ -101,7 +101,8 @@ def test_multi_turn_trajectory_is_pinned():
                       stop_token_ids=tuple(tok.stop_ids) + tuple(range(30000, 32500)))
   with ToolRunner(["calculator"], timeout_s=3.0, num_workers=1) as runner:
     rollout = scripted_tool_rollout(config, tok, runner, sp, {(0, 0): call}, segment_tokens=8)
-    traj = rollout.run(params, ids, mask, jax.random.key(9))
+    _, info = rollout.run(params, ids, mask, jax.random.key(9))
+  traj = info.trajectories
   assert traj.turns.tolist() == [1, 0, 0, 0] and traj.lengths.tolist() == [84, 7, 10, 11]
   assert traj.tokens[0, :len(call)].tolist() == call
   assert [traj.tokens[r, :12].tolist() for r in range(1, 4)] == [
