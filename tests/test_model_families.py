@@ -17,7 +17,7 @@ from rljax.models import LoraConfig, ModelConfig, Policy, apply_model, families,
 from rljax.models.families.llama import Llama
 from rljax.models.layers import gated_mlp
 from rljax.rl import LossConfig
-from rljax.sampling import SamplingParams
+from rljax.rollout import SamplingParams
 from rljax.trainer.optim import make_optimizer
 from rljax.trainer.state import TrainState
 from rljax.trainer.step import StepSpec, make_update_fn
