@@ -115,10 +115,11 @@ def _gap_overrides(ctx: Context, dtype: str) -> dict:
 
 def logprobs(rec: Recorder, ctx: Context) -> None:
   """The sampler's log-probs of its own tokens (cached decode) against the learner's teacher-forced
-  recompute (`rljax.trainer.step.sequence_logprobs`), on the same random weights (matrices x4, so
-  the logits are peaked like a trained model's), in fp32 (jax's default matmul precision, which is
-  TF32 on NVIDIA GPUs), fp32 at the highest precision, and bf16. fp32-highest must agree to 1e-4
-  (mean |diff|); the others are measured, not judged (the bf16 gap is what rljax's truncated IS corrects)."""
+  recompute (`rljax.trainer.step.sequence_logprobs`), on the same random weights (matrices x4, for
+  logits less flat than at initialisation; the row reports the sampler's mean entropy), in fp32
+  (jax's default matmul precision, which is free to use TF32 on NVIDIA GPUs), fp32 at the highest
+  precision, and bf16. fp32-highest must agree to 1e-4 (mean |diff|); the others are measured, not
+  judged (the bf16 gap is what rljax's truncated IS corrects)."""
   import contextlib
 
   import jax
