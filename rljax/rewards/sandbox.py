@@ -71,6 +71,7 @@ class SandboxLimits:
   max_processes: int = 16         # RLIMIT_NPROC (enforced for the private uid; see module doc)
   file_size_mb: int = 16          # RLIMIT_FSIZE: largest file (and stdout/stderr) the code can write
   open_files: int = 64            # RLIMIT_NOFILE
+  disk_mb: int = 64               # the run's tmpfs (its directory, /tmp and /dev/shm together)
   max_output_bytes: int = 1 << 16  # stdout/stderr kept per stream
   network: bool = False           # True: keep the host network (skip the network namespace)
 
@@ -115,6 +116,7 @@ _isolation: Isolation | None = None
 _isolation_lock = threading.Lock()
 _reap_orphans = False
 _WORKER_UID: int | None = None
+_WORKER_TAG: str | None = None
 
 
 def allocate_uid() -> int:
@@ -126,6 +128,16 @@ def set_worker_uid(uid: int | None) -> None:
   """Makes every sandbox run of this process use `uid` (set by pool workers)."""
   global _WORKER_UID
   _WORKER_UID = uid
+
+
+def set_worker_tag(tag: str | None) -> None:
+  """Names this process's sandbox dirs (a pool worker's; its zygote removes them when it dies)."""
+  global _WORKER_TAG
+  _WORKER_TAG = tag
+
+
+def _tag() -> str:
+  return _WORKER_TAG or str(os.getpid())
 
 
 def become_subreaper() -> bool:
@@ -182,7 +194,7 @@ def _binds(python: str) -> list[str]:
 def _plan(python: str, uid: int | None, limits: SandboxLimits, *, netns: bool, namespaces: bool,
           userns: bool, work: str = "", root: str = "") -> dict[str, Any]:
   return {"uid": uid, "rlimits": _rlimits(limits), "netns": netns, "namespaces": namespaces, "userns": userns,
-          "work": work, "root": root, "binds": _binds(python), "tmp_mb": max(4, 2 * int(limits.file_size_mb))}
+          "work": work, "root": root, "binds": _binds(python), "disk_mb": int(limits.disk_mb)}
 
 
 def _single_threaded() -> bool:
@@ -251,8 +263,8 @@ def _probe_run(python: str, uid: int | None, netns: bool, namespaces: bool = Fal
   except (OSError, subprocess.SubprocessError):
     return False
   finally:
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(work)
+    remove_tree(root)
   expected = [str(uid if uid is not None else os.getuid())]
   if namespaces:
     expected += ["2", _SANDBOX_HOME]
@@ -340,10 +352,16 @@ def kill_uid(uid: int | None) -> None:
     log.warning("sandbox: could not kill the processes of uid %d: %s", uid, e)
 
 
-def remove_dirs_of(pid: int) -> None:
-  """Removes the sandbox dirs left by process `pid` (a worker killed in the middle of a run)."""
-  for path in glob.glob(os.path.join(tempfile.gettempdir(), f"rljax-sbx-{pid}-*")):
-    shutil.rmtree(path, ignore_errors=True)
+def remove_dirs_of(tag: str) -> None:
+  """Removes the sandbox dirs left by the worker tagged `tag` (killed in the middle of a run)."""
+  for path in glob.glob(os.path.join(tempfile.gettempdir(), f"rljax-sbx-{tag}-*")):
+    if path.endswith(".root"):
+      try:
+        os.rmdir(path)
+      except OSError:
+        pass
+    else:
+      remove_tree(path)
 
 
 def reap_orphans(wait_s: float = 0.2) -> None:
@@ -392,36 +410,36 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
   if iso.uid_switch:
     uid = _WORKER_UID if _WORKER_UID is not None else allocate_uid()
   netns = iso.network_namespace and not limits.network
-  tmp = tempfile.mkdtemp(prefix=f"rljax-sbx-{os.getpid()}-")
-  root = tmp + ".root"  # the mount point of the private root (empty on the host)
+  # With namespaces `stage` only holds the program's files (ours, 0700); the program runs in a
+  # copy on its own tmpfs. Without, it is also the program's directory.
+  stage = tempfile.mkdtemp(prefix=f"rljax-sbx-{_tag()}-")
+  root = stage + ".root"  # the mount point of the private root (empty on the host)
   start = time.monotonic()
   proc = None
   try:
     for name, text in {"main.py": source, **(files or {})}.items():
-      path = os.path.join(tmp, os.path.basename(name))
+      path = os.path.join(stage, os.path.basename(name))
       with open(path, "w", encoding="utf-8") as f:
         f.write(text)
-      if uid is not None:
+      if uid is not None and not iso.namespaces:
         os.chown(path, uid, uid)
-    if uid is not None:
-      os.chown(tmp, uid, uid)
-    os.chmod(tmp, 0o700)
+    if uid is not None and not iso.namespaces:
+      os.chown(stage, uid, uid)
     if iso.namespaces:
       os.mkdir(root, 0o700)
       home, scratch = _SANDBOX_HOME, "/tmp"
     else:
-      home = scratch = tmp
+      home = scratch = stage
     plan = _plan(iso.python, uid, limits, netns=netns, namespaces=iso.namespaces, userns=iso.user_namespace,
-                 work=tmp, root=root)
-    # stdout/stderr/stdin live outside the program's directory listing: unlinked files.
-    with tempfile.TemporaryFile(dir=tmp) as fin, tempfile.TemporaryFile(dir=tmp) as fout, \
-        tempfile.TemporaryFile(dir=tmp) as ferr:
+                 work=stage, root=root)
+    # stdin/stdout/stderr are memory files (memfd; RLIMIT_FSIZE caps what the program writes).
+    with _memfile("stdin") as fin, _memfile("stdout") as fout, _memfile("stderr") as ferr:
       fin.write(stdin.encode("utf-8", errors="replace"))
       fin.seek(0)
       timed_out = False
       try:
         proc = _popen([iso.python, "-I", "-S", "-B", "main.py"], plan, stdin=fin, stdout=fout, stderr=ferr,
-                      cwd=tmp, env=_env(home, scratch))
+                      cwd=stage, env=_env(home, scratch))
         try:
           proc.wait(timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
@@ -436,9 +454,47 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
     return SandboxResult(returncode=None if timed_out else proc.returncode, stdout=out, stderr=err,
                          timed_out=timed_out, duration_s=duration, truncated=t1 or t2, stdout_tail=tail)
   finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(stage)
     if os.path.isdir(root):
       os.rmdir(root)
+
+
+def _memfile(name: str):
+  """A read-write binary file in memory (memfd), or an unlinked temp file where memfd is missing."""
+  if hasattr(os, "memfd_create"):
+    try:
+      return os.fdopen(os.memfd_create(f"rljax-sbx-{name}", os.MFD_CLOEXEC), "w+b")
+    except OSError:
+      pass
+  return tempfile.TemporaryFile()
+
+
+def _unlock(path: str) -> None:
+  """Makes `path` and every directory under it accessible to its owner again (chmod 000 inside)."""
+  try:
+    os.chmod(path, 0o700)
+    entries = list(os.scandir(path))
+  except OSError:
+    return
+  for entry in entries:
+    try:
+      if entry.is_dir(follow_symlinks=False):
+        _unlock(entry.path)
+    except OSError:
+      pass
+
+
+def remove_tree(path: str) -> None:
+  """Removes a directory tree whatever modes were set inside it (a directory made unreadable or
+  unwritable by sandboxed code running as this user, without namespaces). Says so when it cannot."""
+  if not os.path.lexists(path):
+    return
+  shutil.rmtree(path, ignore_errors=True)
+  if os.path.lexists(path):
+    _unlock(path)
+    shutil.rmtree(path, ignore_errors=True)
+  if os.path.lexists(path):
+    log.warning("sandbox: could not remove %s", path)
 
 
 def _kill_tree(proc: subprocess.Popen, uid: int | None) -> None:
