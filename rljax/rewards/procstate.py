@@ -1,15 +1,16 @@
 """A verifier worker's process state, checked after every item (rljax/rewards/worker.py).
 
 An item that changes its worker's process state could break every later item of that worker:
-closed or leaked file descriptors, another working directory, a changed environment, threads
-left running, an armed interval timer, changed signal dispositions or mask, lowered rlimits,
-another uid, umask or priority, replaced sys.std* streams, or memory that keeps growing. The
+closed, replaced or leaked file descriptors, another working directory, a changed environment,
+threads left running, an armed interval timer, changed signal dispositions or mask, lowered
+RLIMIT_NOFILE/RLIMIT_AS, another uid, gid, umask or priority, replaced sys.std* streams, or
+memory that keeps growing. The
 worker snapshots this state once, before its first item, and compares after each item; any
 difference (or resident memory grown past a bound) makes the worker ask to be replaced by a
 fresh fork of the zygote after replying. The item itself keeps its result.
 
-One check costs about 15-30 us (one read of /proc/self/stat plus ~20 cheap system calls);
-docs/rewards.md has the measured per-item overhead. Python-level state (module globals,
+One check is one read of /proc/self/stat plus about 16 cheap system calls; docs/rewards.md has
+the measured per-item overhead. Python-level state (module globals,
 caches, monkeypatches) is not compared: it is the verifier's own, shared by the items of one
 worker as in any long-lived process.
 """
@@ -21,9 +22,8 @@ import signal
 import sys
 from typing import Callable
 
-_RLIMITS = ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_STACK",
-            "RLIMIT_CORE", "RLIMIT_DATA")
-_RLIMIT_IDS = [(name, getattr(resource, name)) for name in _RLIMITS if hasattr(resource, name)]
+# The limits whose lowering breaks later items (EMFILE, MemoryError): one getrlimit each per check.
+_RLIMIT_IDS = [(name, getattr(resource, name)) for name in ("RLIMIT_NOFILE", "RLIMIT_AS") if hasattr(resource, name)]
 _ITIMERS = (("ITIMER_REAL", signal.ITIMER_REAL), ("ITIMER_VIRTUAL", signal.ITIMER_VIRTUAL),
             ("ITIMER_PROF", signal.ITIMER_PROF))
 # Fields of /proc/self/stat, counted from the one after the command name (state = 0).
@@ -56,12 +56,14 @@ class ProcessState:
   extra: more checks, each returning a difference or None (the worker adds its own).
   """
 
-  def __init__(self, rss_growth_mb: float, extra: Callable[[], str | None] | None = None):
+  def __init__(self, rss_growth_mb: float, watch_fds: tuple[int, ...] = (0, 1, 2),
+               extra: Callable[[], str | None] | None = None):
     self.rss_growth = int(rss_growth_mb * (1 << 20))
     self.extra = extra
     self._stat = os.open("/proc/self/stat", os.O_RDONLY | os.O_CLOEXEC)
-    self._count_by_size = os.stat("/proc/self/fd").st_size > 0  # Linux 6.2+: st_size = open fds
-    self.fds = {fd: self._ident(fd) for fd in self._open_fds()}
+    self._fd_dir = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    self._count_by_size = os.fstat(self._fd_dir).st_size > 0  # Linux 6.2+: st_size = open fds
+    self.fds = [(fd, self._ident(fd)) for fd in watch_fds]
     self.fd_count = self._fd_count()
     stat = self._stat_fields()
     self.threads = stat[_THREADS]
@@ -71,15 +73,10 @@ class ProcessState:
     self.env = dict(_environ())
     self.itimers = [signal.getitimer(which) for _, which in _ITIMERS]
     self.umask = self._umask()
-    self.ids = (os.getresuid(), os.getresgid(), os.getgroups())
+    self.ids = (os.getresuid(), os.getresgid())
     self.rlimits = [resource.getrlimit(which) for _, which in _RLIMIT_IDS]
     self.priority = os.getpriority(os.PRIO_PROCESS, 0)
-    self.streams = (sys.stdin, sys.stdout, sys.stderr)
-    self.recursion = sys.getrecursionlimit()
-
-  @staticmethod
-  def _open_fds() -> list[int]:
-    return sorted(int(fd) for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+    self.streams = (sys.stdin, sys.stdout, sys.stderr, sys.getrecursionlimit())
 
   @staticmethod
   def _ident(fd: int) -> tuple[int, int] | None:
@@ -91,7 +88,7 @@ class ProcessState:
 
   def _fd_count(self) -> int:
     if self._count_by_size:
-      return os.stat("/proc/self/fd").st_size
+      return os.fstat(self._fd_dir).st_size
     return len(os.listdir("/proc/self/fd"))
 
   def _stat_fields(self) -> list[bytes]:
@@ -99,12 +96,11 @@ class ProcessState:
     return raw[raw.rindex(b")") + 2:].split()
 
   @staticmethod
-  def _cwd() -> tuple[int, int, bool]:
+  def _cwd() -> str | None:
     try:
-      st = os.stat(".")
-    except OSError:
-      return 0, 0, False
-    return st.st_dev, st.st_ino, st.st_nlink > 0
+      return os.getcwd()
+    except OSError:  # removed
+      return None
 
   @staticmethod
   def _umask() -> int:
@@ -113,7 +109,7 @@ class ProcessState:
     return old
 
   def check(self) -> str | None:
-    """What differs from the baseline (None: nothing); cheapest and likeliest checks first."""
+    """What differs from the baseline (None: nothing); likeliest first. About 17 system calls."""
     stat = self._stat_fields()
     if stat[_THREADS] != self.threads:
       return f"left {int(stat[_THREADS]) - int(self.threads)} thread(s) running"
@@ -128,7 +124,7 @@ class ProcessState:
       delta = count - self.fd_count
       return (f"left {delta} more file descriptor(s) open" if delta > 0
               else f"closed {-delta} of the worker's file descriptors")
-    for fd, ident in self.fds.items():
+    for fd, ident in self.fds:
       if self._ident(fd) != ident:
         return f"closed or replaced the worker's file descriptor {fd}"
     if self._cwd() != self.cwd:
@@ -142,14 +138,14 @@ class ProcessState:
         return f"left an interval timer armed ({name})"
     if self._umask() != self.umask:
       return "changed the umask"
-    if (os.getresuid(), os.getresgid(), os.getgroups()) != self.ids:
-      return "changed its uid, gid or groups"
+    if (os.getresuid(), os.getresgid()) != self.ids:
+      return "changed its uid or gid"
     for (name, which), base in zip(_RLIMIT_IDS, self.rlimits):
       if resource.getrlimit(which) != base:
-        return f"changed a resource limit ({name})"
+        return f"lowered a resource limit ({name})"
     if os.getpriority(os.PRIO_PROCESS, 0) != self.priority:
       return "changed its scheduling priority"
-    if (sys.stdin, sys.stdout, sys.stderr) != self.streams or sys.getrecursionlimit() != self.recursion:
+    if (sys.stdin, sys.stdout, sys.stderr, sys.getrecursionlimit()) != self.streams:
       return "replaced sys.stdin/stdout/stderr or changed the recursion limit"
     return self.extra() if self.extra is not None else None
 

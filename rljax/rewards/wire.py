@@ -93,10 +93,15 @@ def _kind(value: Any) -> str:
   return f"a {type(value).__name__}"
 
 
+_SIMPLE = frozenset((str, int, float, bool, type(None)))
+
+
 def plain(value: Any, where: str, dropped: list[str], depth: int = 0) -> Any:
   """`value` as JSON-able plain data: None, bool, int, float, str, and lists and string-keyed
   dicts of them. numpy scalars and arrays are converted; anything else is left out and named in
   `dropped`. Returns _DROP for a value left out."""
+  if type(value) is dict and all(type(k) is str and type(v) in _SIMPLE for k, v in value.items()):
+    return value  # the common flat info dict: nothing to convert
   if value is None or isinstance(value, (bool, str)):
     return value
   if isinstance(value, numbers.Integral):
@@ -148,9 +153,13 @@ def plain(value: Any, where: str, dropped: list[str], depth: int = 0) -> Any:
 _DROP = object()
 
 
+# ensure_ascii: lone surrogates (from decoded model text) survive as \\udXXXX escapes. One encoder
+# object: json.dumps with options would build a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=True, ensure_ascii=True)
+
+
 def _dumps(obj: Any) -> bytes:
-  # ensure_ascii: lone surrogates (from decoded model text) survive as \\udXXXX escapes.
-  return json.dumps(obj, separators=(",", ":"), allow_nan=True).encode("ascii")
+  return _ENCODER.encode(obj).encode("ascii")
 
 
 def encode_reply(task_id: int, results: list[tuple[float, dict | None]] | None = None, error: str | None = None,
@@ -194,7 +203,10 @@ def encode_control(obj: Any) -> bytes:
 
 
 def decode_control(data: bytes) -> Any:
-  return json.loads(data)
+  return _DECODER.decode(data.decode("ascii"))
+
+
+_DECODER = json.JSONDecoder()
 
 
 # ---- decoding on the pool's side ----------------------------------------------------------------
@@ -225,8 +237,8 @@ class Inbox:
     while self.frames:
       data = self.frames.pop(0)
       try:
-        msg = json.loads(data)
-      except (ValueError, RecursionError) as e:
+        msg = _DECODER.decode(data.decode("ascii"))
+      except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         return out, f"corrupt frame ({type(e).__name__})"
       if not isinstance(msg, dict) or not isinstance(msg.get("t"), int):
         return out, "corrupt frame (not a reply)"
