@@ -11,7 +11,9 @@ Orbax writes each step into `<step>.orbax-checkpoint-tmp-*` and renames it when
 complete, so a save interrupted at any point leaves the earlier steps intact; the
 leftover temporary directory is removed the next time a `Checkpointer` opens the
 directory for writing. Restores read the arrays onto whatever shardings the caller
-asks for, so a checkpoint saved on 8 devices restores on 1, and the reverse.
+asks for, so a checkpoint saved on 8 devices restores on 1, and the reverse. A latest
+checkpoint whose files were damaged afterwards (truncated arrays, corrupt metadata or
+extras) is skipped on resume with a warning, and set aside as `<step>.rljax-unreadable`.
 """
 from __future__ import annotations
 
@@ -42,11 +44,16 @@ EXTRAS_TOKENIZER = "tokenizer"         # what rljax.tokenizer.load_tokenizer acc
 _STATE, _EXTRAS, _FORMAT = "state", "extras", "format"
 _STEP_RE = re.compile(r"^(0|[1-9]\d*)$")   # orbax's default step directory names
 _REPLACED_SUFFIX = ".rljax-replaced"       # a step set aside while `save(force=True)` rewrites it
+_UNREADABLE_SUFFIX = ".rljax-unreadable"   # a step set aside because its files cannot be read
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 
 
 class CheckpointError(RljaxError):
   """A checkpoint directory is missing, empty, foreign, or does not match what is restored."""
+
+
+class CheckpointUnreadable(CheckpointError):
+  """A checkpoint's files cannot be read (truncated, corrupt): an earlier step may still be."""
 
 
 # ---- retention -------------------------------------------------------------------------------
@@ -151,6 +158,11 @@ def _as_abstract(tree, default_sharding=None):
       sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
   return jax.tree.map(one, tree)
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+  text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  return text[:limit] + ("..." if len(text) > limit else "")
 
 
 def _sample(names: Sequence[str], limit: int = 6) -> str:
@@ -386,7 +398,13 @@ class Checkpointer:
 
   def _saved_leaves(self, step: int) -> dict[str, Any]:
     """{dotted name: orbax ArrayMetadata} of the arrays saved in `step`."""
-    meta = self._mgr.item_metadata(step)[_STATE]
+    try:
+      meta = self._mgr.item_metadata(step)[_STATE]
+    except Exception as e:  # orbax raises several types for a corrupt metadata file; name the checkpoint.
+      raise CheckpointUnreadable(f"could not read the array metadata of {self._step_dir(step)}: "
+                                 f"{type(e).__name__}: {e}") from e
+    if meta is None:
+      raise CheckpointUnreadable(f"{self._step_dir(step)} has no readable array metadata")
     return _leaves_by_path(getattr(meta, "tree", meta))
 
   def _check_target(self, step: int, target, *, allow_unused: Sequence[str] = ()) -> bool:
@@ -424,21 +442,65 @@ class Checkpointer:
     try:
       return self._mgr.restore(step, args=ocp.args.Composite(**{_STATE: args}))[_STATE]
     except Exception as e:  # orbax/tensorstore errors vary by version; name the checkpoint.
-      raise CheckpointError(f"could not read the arrays of {self._step_dir(step)}: {type(e).__name__}: {e}") from e
+      raise CheckpointUnreadable(f"could not read the arrays of {self._step_dir(step)}: {type(e).__name__}: "
+                                 f"{_first_line(e)}") from e
 
   def restore(self, step: int | None = None, *, abstract_state) -> tuple[Any, dict]:
-    """Restores (state, extras) of `step` (default: the latest).
+    """Restores (state, extras) of `step` (default: the latest readable one).
 
     `abstract_state` is the state's pytree of `jax.ShapeDtypeStruct`s (or arrays) whose `.sharding`
     says where each array goes: the current mesh, whatever mesh saved it. A checkpoint holding
     reference parameters restores into a state whose `ref_params` is None (they are dropped).
+
+    Without `step`, a latest checkpoint whose files cannot be read (truncated or corrupt arrays,
+    metadata or extras) is skipped with a warning naming it and why, and the previous complete one
+    is restored; in a writable directory the skipped steps are moved to `<step>.rljax-unreadable`
+    so that the run saves its next steps normally. An explicit `step` is never replaced by another.
     """
     self.wait()
-    step = self._resolve_step(step)
     target = _as_abstract(abstract_state)
+    if step is not None:
+      return self._restore_step(self._resolve_step(step), target)
+    steps = self.all_steps()
+    if not steps:
+      raise CheckpointError(self._no_checkpoint_message())
+    skipped: list[tuple[int, CheckpointUnreadable]] = []
+    for candidate in reversed(steps):
+      try:
+        out = self._restore_step(candidate, target)
+      except CheckpointUnreadable as e:
+        skipped.append((candidate, e))
+        continue
+      if skipped:
+        self._skip_unreadable(skipped, candidate)
+      return out
+    raise CheckpointError(f"no checkpoint in {self.directory} can be read: "
+                          + "; ".join(f"step {s}: {e}" for s, e in skipped)
+                          + ". Start over (a new config.output.dir, or --overwrite), or restore the files.")
+
+  def _restore_step(self, step: int, target) -> tuple[Any, dict]:
     partial = self._check_target(step, target, allow_unused=("ref_params.",))
     state = self._restore_state_item(step, target, partial)
-    return state, self.restore_extras(step)
+    return state, self._read_extras(step)
+
+  def _skip_unreadable(self, skipped: list[tuple[int, CheckpointUnreadable]], used: int) -> None:
+    """Warns about the unreadable steps above `used` and, when writable, sets them aside."""
+    moved = not self.read_only
+    if moved:
+      if jax.process_index() == 0:
+        for step, _ in skipped:
+          dst = self._step_dir(step) + _UNREADABLE_SUFFIX
+          if os.path.exists(dst):
+            shutil.rmtree(dst)
+          os.rename(self._step_dir(step), dst)
+      self._barriers += 1
+      ocp.multihost.sync_global_processes(f"rljax_checkpoint_unreadable_{used}_{self._barriers}")
+      self._mgr.reload()
+    for step, e in skipped:
+      log.warning("checkpoint step %d in %s cannot be read, skipped%s: %s", step, self.directory,
+                  f" (moved to {self._step_dir(step) + _UNREADABLE_SUFFIX})" if moved else "", e)
+    log.warning("resuming from checkpoint step %d, the latest readable one in %s (skipped: %s)", used,
+                self.directory, ", ".join(str(s) for s, _ in skipped))
 
   def restore_params(self, step: int | None = None, *, shardings=None):
     """Only the `params` subtree of `step`, as saved (dtype and shapes from the checkpoint).
@@ -462,12 +524,27 @@ class Checkpointer:
     return self._restore_state_item(step, {"params": target}, partial=True)["params"]
 
   def restore_extras(self, step: int | None = None) -> dict:
-    """The JSON extras of `step` (default: the latest); reads no arrays."""
-    step = self._resolve_step(step)
+    """The JSON extras of `step` (default: the latest step whose extras can be read); reads no arrays."""
+    if step is None:
+      steps = self.all_steps()
+      if not steps:
+        raise CheckpointError(self._no_checkpoint_message())
+      for candidate in reversed(steps[1:]):
+        try:
+          return self._read_extras(candidate)
+        except CheckpointUnreadable:
+          continue  # restore() warns about it and falls back the same way
+      return self._read_extras(steps[0])
+    return self._read_extras(self._resolve_step(step))
+
+  def _read_extras(self, step: int) -> dict:
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(**{_EXTRAS: ocp.args.JsonRestore()}))[_EXTRAS]
     except Exception as e:
-      raise CheckpointError(f"could not read the extras of {self._step_dir(step)}: {type(e).__name__}: {e}") from e
+      raise CheckpointUnreadable(f"could not read the extras of {self._step_dir(step)}: {type(e).__name__}: "
+                                 f"{_first_line(e)}") from e
+    if out is not None and not isinstance(out, Mapping):
+      raise CheckpointUnreadable(f"the extras of {self._step_dir(step)} are a {type(out).__name__}, not a dict")
     return dict(out or {})
 
   # ---- lifecycle ----
