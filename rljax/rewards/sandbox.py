@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import glob
 import json
 import logging
 import math
@@ -45,6 +44,7 @@ import time
 from typing import Any
 
 from rljax.rewards.confine_src import CONFINE_SRC
+from rljax.rewards.sandbox_files import memfile, read_capped, read_tail, remove_dirs_of, remove_tree  # noqa: F401
 
 log = logging.getLogger("rljax.rewards")
 
@@ -352,18 +352,6 @@ def kill_uid(uid: int | None) -> None:
     log.warning("sandbox: could not kill the processes of uid %d: %s", uid, e)
 
 
-def remove_dirs_of(tag: str) -> None:
-  """Removes the sandbox dirs left by the worker tagged `tag` (killed in the middle of a run)."""
-  for path in glob.glob(os.path.join(tempfile.gettempdir(), f"rljax-sbx-{tag}-*")):
-    if path.endswith(".root"):
-      try:
-        os.rmdir(path)
-      except OSError:
-        pass
-    else:
-      remove_tree(path)
-
-
 def reap_orphans(wait_s: float = 0.2) -> None:
   """Reaps re-parented orphans (pool workers are subreapers) until none are left or `wait_s` passes."""
   if not _reap_orphans:
@@ -378,18 +366,6 @@ def reap_orphans(wait_s: float = 0.2) -> None:
       if time.monotonic() > deadline:
         return
       time.sleep(0.002)
-
-
-def _read_capped(f, cap: int) -> tuple[str, bool]:
-  f.seek(0)
-  data = f.read(cap + 1)
-  return data[:cap].decode("utf-8", errors="replace"), len(data) > cap
-
-
-def _read_tail(f, size: int = 4096) -> str:
-  end = f.seek(0, os.SEEK_END)
-  f.seek(max(0, end - size))
-  return f.read(size).decode("utf-8", errors="replace")
 
 
 def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None, *,
@@ -433,7 +409,7 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
     plan = _plan(iso.python, uid, limits, netns=netns, namespaces=iso.namespaces, userns=iso.user_namespace,
                  work=stage, root=root)
     # stdin/stdout/stderr are memory files (memfd; RLIMIT_FSIZE caps what the program writes).
-    with _memfile("stdin") as fin, _memfile("stdout") as fout, _memfile("stderr") as ferr:
+    with memfile("stdin") as fin, memfile("stdout") as fout, memfile("stderr") as ferr:
       fin.write(stdin.encode("utf-8", errors="replace"))
       fin.seek(0)
       timed_out = False
@@ -448,53 +424,15 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
         if proc is not None:
           _kill_tree(proc, uid)
       duration = time.monotonic() - start
-      out, t1 = _read_capped(fout, limits.max_output_bytes)
-      err, t2 = _read_capped(ferr, limits.max_output_bytes)
-      tail = _read_tail(fout)
+      out, t1 = read_capped(fout, limits.max_output_bytes)
+      err, t2 = read_capped(ferr, limits.max_output_bytes)
+      tail = read_tail(fout)
     return SandboxResult(returncode=None if timed_out else proc.returncode, stdout=out, stderr=err,
                          timed_out=timed_out, duration_s=duration, truncated=t1 or t2, stdout_tail=tail)
   finally:
     remove_tree(stage)
     if os.path.isdir(root):
       os.rmdir(root)
-
-
-def _memfile(name: str):
-  """A read-write binary file in memory (memfd), or an unlinked temp file where memfd is missing."""
-  if hasattr(os, "memfd_create"):
-    try:
-      return os.fdopen(os.memfd_create(f"rljax-sbx-{name}", os.MFD_CLOEXEC), "w+b")
-    except OSError:
-      pass
-  return tempfile.TemporaryFile()
-
-
-def _unlock(path: str) -> None:
-  """Makes `path` and every directory under it accessible to its owner again (chmod 000 inside)."""
-  try:
-    os.chmod(path, 0o700)
-    entries = list(os.scandir(path))
-  except OSError:
-    return
-  for entry in entries:
-    try:
-      if entry.is_dir(follow_symlinks=False):
-        _unlock(entry.path)
-    except OSError:
-      pass
-
-
-def remove_tree(path: str) -> None:
-  """Removes a directory tree whatever modes were set inside it (a directory made unreadable or
-  unwritable by sandboxed code running as this user, without namespaces). Says so when it cannot."""
-  if not os.path.lexists(path):
-    return
-  shutil.rmtree(path, ignore_errors=True)
-  if os.path.lexists(path):
-    _unlock(path)
-    shutil.rmtree(path, ignore_errors=True)
-  if os.path.lexists(path):
-    log.warning("sandbox: could not remove %s", path)
 
 
 def _kill_tree(proc: subprocess.Popen, uid: int | None) -> None:
