@@ -6,8 +6,8 @@ exact, nothing they started keeps running and the pool works afterwards.
 The cases run on one pool in-process (as root in CI), on one pool as an unprivileged uid in a
 subprocess (`test_hostile_verifiers_as_unprivileged_user`), and those that do not need PID
 namespaces on one pool of the fallback containment (`test_fallback_containment`): `run_cases`
-is shared. Every case limits itself: a 2 s item timeout, 1 GB of address space per worker, a
-30 s batch deadline, at most 300 MB of memory held, and a SIGALRM guard around each case.
+is shared. Every case limits itself: a 2 s item timeout, 640 MB of address space per worker, a
+30 s batch deadline, at most ~200 MB of memory held, and a SIGALRM guard around each case.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ NOBODY = 65534
 TIMEOUT_S = 2.0
 SPEC = {"components": [{"name": "v", "verifier": "test_rewards_hostile:hostile"}],
         "timeout_s": TIMEOUT_S, "batch_deadline_s": 30.0, "fallback": -1.0, "num_workers": 2,
-        "max_memory_mb": 1024}
+        "max_memory_mb": 640}
 COUNTERS = ("timeouts", "errors", "crashes", "deadline_misses", "recycles", "info_errors", "import_timeouts")
 _HOARD: list = []  # what hostile items leave in their worker's memory (innocent items check it is empty)
 
@@ -201,8 +201,8 @@ def hostile(completion, example):
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
   elif do == "poison_env":
     os.environ[POISON] = "1"
-  elif do == "leak_memory":
-    _HOARD.append(b"\x01" * (300 << 20))
+  elif do == "leak_memory":  # resident, just past the pool's bound (rljax.rewards.pool: a share of max_memory_mb)
+    _HOARD.append(b"\x01" * (int(example["mb"]) << 20))
   else:
     time.sleep(example.get("sleep", 0.0))
     why = pollution(example)
@@ -294,7 +294,7 @@ def case_state_leaks(pool, workdir):
            "leak_memory"]
   examples = []
   for do in leaks:
-    examples += [{"do": do}] + [_innocent()] * 3
+    examples += [{"do": do, "mb": pool._rss_mb() + 40}] + [_innocent()] * 3
   out = pool.score(["x"] * len(examples), examples)
   scores = out.components["v"].tolist()
   assert scores == [1.0] * len(examples), [(e.get("do"), s, i) for e, s, i in zip(examples, scores, out.infos["v"])

@@ -132,7 +132,8 @@ class ProcessState:
     env = _environ()
     if env != self.env:
       keys = sorted(set(env) ^ set(self.env) | {k for k in self.env if env.get(k) != self.env[k]})
-      return f"changed the environment ({', '.join(map(repr, keys[:5]))})"
+      names = [k.decode(errors="replace") if isinstance(k, bytes) else str(k) for k in keys[:5]]
+      return f"changed the environment ({', '.join(names)})"
     for (name, which), base in zip(_ITIMERS, self.itimers):
       if signal.getitimer(which) != base:
         return f"left an interval timer armed ({name})"
