@@ -1,17 +1,19 @@
 """A verifier worker's process state, checked after every item (rljax/rewards/worker.py).
 
 An item that changes its worker's process state could break every later item of that worker:
-closed, replaced or leaked file descriptors, another working directory, a changed environment,
-threads left running, an armed interval timer, changed signal dispositions or mask, lowered
+closed or leaked file descriptors, another working directory, a changed environment, threads
+left running, an armed interval timer, changed signal dispositions or mask, lowered
 RLIMIT_NOFILE/RLIMIT_AS, another uid, gid, umask or priority, replaced sys.std* streams, or
-memory that keeps growing. The
-worker snapshots this state once, before its first item, and compares after each item; any
-difference (or resident memory grown past a bound) makes the worker ask to be replaced by a
-fresh fork of the zygote after replying. The item itself keeps its result.
+memory that keeps growing. The worker snapshots this state once, before its first item, and
+compares after each item; any difference (or resident memory grown past a bound) makes the
+worker ask to be replaced by a fresh fork of the zygote after replying. The item itself keeps
+its result.
 
-One check is one read of /proc/self/stat plus about 16 cheap system calls; docs/rewards.md has
-the measured per-item overhead. Python-level state (module globals,
-caches, monkeypatches) is not compared: it is the verifier's own, shared by the items of one
+One check is one read of /proc/self/stat plus about 12 cheap system calls; docs/rewards.md has
+the measured per-item overhead. Not compared (cost against likelihood): which file an fd names
+(a verifier that closes fd 1 and opens a file there keeps the count), POSIX timers
+(timer_create), state a C extension keeps below the Python level, and Python-level state
+(module globals, caches, monkeypatches): that is the verifier's own, shared by the items of one
 worker as in any long-lived process.
 """
 from __future__ import annotations
@@ -56,14 +58,12 @@ class ProcessState:
   extra: more checks, each returning a difference or None (the worker adds its own).
   """
 
-  def __init__(self, rss_growth_mb: float, watch_fds: tuple[int, ...] = (0, 1, 2),
-               extra: Callable[[], str | None] | None = None):
+  def __init__(self, rss_growth_mb: float, extra: Callable[[], str | None] | None = None):
     self.rss_growth = int(rss_growth_mb * (1 << 20))
     self.extra = extra
     self._stat = os.open("/proc/self/stat", os.O_RDONLY | os.O_CLOEXEC)
     self._fd_dir = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     self._count_by_size = os.fstat(self._fd_dir).st_size > 0  # Linux 6.2+: st_size = open fds
-    self.fds = [(fd, self._ident(fd)) for fd in watch_fds]
     self.fd_count = self._fd_count()
     stat = self._stat_fields()
     self.threads = stat[_THREADS]
@@ -77,14 +77,6 @@ class ProcessState:
     self.rlimits = [resource.getrlimit(which) for _, which in _RLIMIT_IDS]
     self.priority = os.getpriority(os.PRIO_PROCESS, 0)
     self.streams = (sys.stdin, sys.stdout, sys.stderr, sys.getrecursionlimit())
-
-  @staticmethod
-  def _ident(fd: int) -> tuple[int, int] | None:
-    try:
-      st = os.fstat(fd)
-    except OSError:
-      return None
-    return st.st_dev, st.st_ino
 
   def _fd_count(self) -> int:
     if self._count_by_size:
@@ -109,7 +101,7 @@ class ProcessState:
     return old
 
   def check(self) -> str | None:
-    """What differs from the baseline (None: nothing); likeliest first. About 17 system calls."""
+    """What differs from the baseline (None: nothing); likeliest first. About 13 system calls."""
     stat = self._stat_fields()
     if stat[_THREADS] != self.threads:
       return f"left {int(stat[_THREADS]) - int(self.threads)} thread(s) running"
@@ -124,9 +116,6 @@ class ProcessState:
       delta = count - self.fd_count
       return (f"left {delta} more file descriptor(s) open" if delta > 0
               else f"closed {-delta} of the worker's file descriptors")
-    for fd, ident in self.fds:
-      if self._ident(fd) != ident:
-        return f"closed or replaced the worker's file descriptor {fd}"
     if self._cwd() != self.cwd:
       return "changed the working directory (or removed it)"
     env = _environ()

@@ -279,7 +279,7 @@ def worker_main(sock: socket.socket, spec: dict[str, Any], setup: dict[str, Any]
   sock.setblocking(True)
   watch = _ImportWatch(sock)
   sys.meta_path.insert(0, watch)
-  state = ProcessState(spec["rss_mb"], (0, 1, 2, sock.fileno()), extra)
+  state = ProcessState(spec["rss_mb"], extra)
   while True:
     try:
       batch = wire.recv_request(sock)
