@@ -1,14 +1,16 @@
 """Running untrusted Python code in a subprocess sandbox (no cgroups, no containers).
 
-Each run gets a fresh temp dir (its cwd and HOME) and a fresh Python interpreter started
+Each run gets its own directory (its cwd and HOME) and a fresh Python interpreter started
 with -I -S -B, with:
   * resource limits: CPU time, address space, processes, file size, open files, no core;
   * its own session (process group), SIGKILLed as a whole on timeout;
   * namespaces, where the kernel allows them (as root, or without root through an
     unprivileged user namespace): a mount namespace whose root is a fresh tmpfs with only
     the system directories (/usr, /etc, /lib*, /bin, /sbin and the interpreter's prefix)
-    bound read-only, a private /tmp and /dev/shm, a minimal /dev and its own /proc; the
-    user's home, the project tree and the host's /tmp are not there at all. A new network
+    bound read-only, a minimal /dev and its own /proc, and one tmpfs of `disk_mb` holding all
+    it can write (its directory at /sandbox, a copy of the staged files, /tmp, /dev/shm), gone
+    with the mount namespace whatever modes the code set; the user's home, the project tree and
+    the host's /tmp are not there at all. A new network
     namespace (no network: 127.0.0.1 included) and a new PID namespace whose init ends the
     run: when it exits, the kernel kills every process left in it, setsid'd daemons too;
   * when running as root: a private, unused uid/gid (different per worker) with no
@@ -16,12 +18,14 @@ with -I -S -B, with:
     signal other processes, and RLIMIT_NPROC caps its processes; after the run every
     process of that uid is killed (kill(-1) as that uid);
   * no_new_privs (setuid binaries cannot raise privileges) and SIGKILL on parent death;
-  * stdout/stderr written to files capped by RLIMIT_FSIZE and read back truncated.
+  * stdin/stdout/stderr in memory files (memfd) capped by RLIMIT_FSIZE, read back truncated.
 
 Where no namespace can be created (e.g. a container whose seccomp profile forbids them, or
 kernel.unprivileged_userns_clone=0) the sandbox says so once, loudly, and falls back: as
 root to the uid switch and a network namespace alone, without root to the rlimits and the
-process-group kill only. `isolation().isolated` tells which; RewardSpec's
+process-group kill only; the code then writes into its staged directory on the host (per-file
+limit only), which `remove_tree` deletes whatever modes were set inside. `isolation().isolated`
+tells which; RewardSpec's
 `sandbox.require_isolation` turns the fallback into an error. docs/rewards.md has the
 table of what sandboxed code can and cannot do, with the test that checks each row.
 """
