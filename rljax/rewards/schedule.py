@@ -237,9 +237,10 @@ class RemoteRun:
     seen = self.pool._recycle_reasons
     if reason not in seen and len(seen) < 20:
       seen.add(reason)
-      log.warning("verifier '%s' %s; its worker is replaced after every such item (keep process state "
-                  "unchanged: close what you open, join threads, restore what you change)",
-                  self.pool.verifiers[task.comp].name, reason)
+      log.warning("verifier '%s' %s; its worker is replaced after every such item, which costs a fork and the "
+                  "worker's caches (leave the process as you found it: close what you open, join threads, restore "
+                  "what you change; open long-lived resources at import or in the verifier's warmup=, which runs "
+                  "once in the zygote and is inherited by every worker)", self.pool.verifiers[task.comp].name, reason)
     self.pending.extendleft(reversed(list(w.queue)))
     w.queue.clear()
     self.pool._kill(w, f"replaced: the item {reason}")
