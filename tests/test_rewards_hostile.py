@@ -3,10 +3,10 @@ innocent items on 2 workers: what they try is contained, the innocent items keep
 rewards (an innocent item scores 1.0 only in a worker no earlier item polluted), the counters are
 exact, nothing they started keeps running and the pool works afterwards.
 
-The cases run on one pool in-process (as root in CI), on one pool as an unprivileged uid in a
-subprocess (`test_hostile_verifiers_as_unprivileged_user`), and those that do not need PID
-namespaces on one pool of the fallback containment (`test_fallback_containment`): `run_cases`
-is shared. Every case limits itself: a 2 s item timeout, 640 MB of address space per worker, a
+The cases run on one pool in-process (as root in CI); those whose containment depends on the
+user (PRIVILEGE_CASES) again on one pool as an unprivileged uid in a subprocess
+(`test_hostile_verifiers_as_unprivileged_user`), and some that do not need PID namespaces on one
+pool of the fallback containment (`test_fallback_containment`): `run_cases` is shared. Every case limits itself: a 2 s item timeout, 640 MB of address space per worker, a
 30 s batch deadline, at most ~200 MB of memory held, and a SIGALRM guard around each case.
 """
 from __future__ import annotations
@@ -440,6 +440,10 @@ def case_lazy_import(pool, workdir):
 
 
 NAMESPACE_ONLY = {"daemon_kills_zygote", "clone_parent"}  # escapes the subreaper fallback cannot contain
+# The cases whose containment depends on the user (namespaces as root or through a user namespace,
+# uid switches, signals): the unprivileged run repeats these; the others test the pool's own code.
+PRIVILEGE_CASES = ["clone_parent", "daemon", "daemon_kills_zygote", "daemon_then_hang", "kill_zygote", "state_leaks",
+                   "stderr_flood", "zygote_killed", "zygote_stopped"]
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
@@ -603,7 +607,7 @@ def test_hostile_verifiers_as_unprivileged_user():
       print(f"skipped: {why}")
       pytest.skip(why)
     code = ("import json, test_rewards_hostile as t\n"
-            f"print('RESULTS', json.dumps(t.run_cases({sorted(CASES)!r})))\n")
+            f"print('RESULTS', json.dumps(t.run_cases({sorted(PRIVILEGE_CASES)!r})))\n")
     with open(os.path.join(home, "stderr"), "wb") as err:
       proc = subprocess.run([python, "-c", code], env=env, user=NOBODY, group=NOBODY, extra_groups=[], cwd=home,
                             stdout=subprocess.PIPE, stderr=err, timeout=300)
@@ -614,7 +618,7 @@ def test_hostile_verifiers_as_unprivileged_user():
     results = json.loads(lines[-1].split(" ", 1)[1])
     containment = results.pop("containment")
     print(f"containment as uid {NOBODY}: {containment}")
-    assert results == {**{n: "ok" for n in CASES}, "close": "ok"}, results
+    assert results == {**{n: "ok" for n in PRIVILEGE_CASES}, "close": "ok"}, results
     assert stderr_size < 1 << 16, f"{stderr_size} bytes of worker stderr reached the unprivileged trainer"
     with open("/proc/sys/user/max_user_namespaces") as f:
       userns_allowed = int(f.read()) > 0
