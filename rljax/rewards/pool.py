@@ -9,9 +9,9 @@ Guarantees (with num_workers > 0):
   * items cannot see each other: a worker whose process state an item changed (fds, cwd,
     environment, threads, timers, signals, rlimits, ids, memory growth; rljax/rewards/procstate.py)
     is replaced by a fresh fork of the zygote before its next item (verifier/recycles);
-  * containment: the zygote is the init of a PID namespace and each worker the init of its own
-    (where the kernel allows; see rljax/rewards/worker.py), so everything a verifier starts ends
-    with its item, and everything the pool started ends with close();
+  * containment: the zygote is the init of a PID namespace and each worker runs under the init
+    of its own (where the kernel allows; see rljax/rewards/zygote.py), so everything a verifier
+    starts ends with its item, and everything the pool started ends with close();
   * a supervised zygote: a dead, stopped or silent zygote is replaced;
   * per-item timeout: a verifier call running past timeout_s (times its number of items
     for group/batch verifiers) is killed with its worker, which is replaced; a timeout during

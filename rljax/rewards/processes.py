@@ -1,6 +1,6 @@
 """The reward pool's processes, seen from the pool: the supervised zygote that forks workers,
 each worker's handle (a pidfd where the kernel has them) and its non-blocking framed channel
-(rljax/rewards/pool.py schedules items over them; rljax/rewards/worker.py is the other end)."""
+(rljax/rewards/pool.py and schedule.py use them; zygote.py and worker.py are the other end)."""
 from __future__ import annotations
 
 import os
@@ -167,7 +167,7 @@ class WorkerProc:
 
 
 class Zygote:
-  """The process that forks workers (rljax/rewards/worker.py), supervised: `state()` reads the
+  """The process that forks workers (rljax/rewards/zygote.py), supervised: `state()` reads the
   kernel's view of it (a stopped zygote is not alive), waits on it check that state, and
   `terminate()` ends it with everything it started."""
 
