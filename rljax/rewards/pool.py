@@ -172,16 +172,17 @@ class RewardPool:
 
   def _supervise(self) -> None:
     """Replaces a zygote that is dead or stopped (checked before every batch: it costs a read
-    of /proc/<pid>/stat)."""
-    state = self._zygote.state()
+    of /proc/<pid>/stat), or starts one where an earlier replacement failed."""
+    state = self._zygote.state() if self._zygote is not None else "missing"
     if state != "running":
       self._restart_zygote(f"it is {state}")
 
   def _spawn(self, w: Worker) -> None:
     """Starts w; a zygote that is dead, stopped or silent is replaced (a few times per batch)."""
-    assert self._zygote is not None
     for attempt in range(_ZYGOTE_RESTARTS_PER_BATCH + 1):
       try:
+        if self._zygote is None:
+          raise _ZygoteLost("no verifier zygote (an earlier replacement failed)")
         w.proc = self._zygote.spawn(w.wid, w.uid, self._rss_mb())
         break
       except _ZygoteLost as e:
@@ -298,8 +299,11 @@ class RewardPool:
         log.warning("reward verifier failure (item %d): %s%s", task.items[0], msg,
                     "" if self._logged < spec.max_logged_errors else " (further failures are only counted)")
 
-    if self._remote_needed and self._zygote is not None:
-      self._supervise()
+    if self._remote_needed:
+      try:
+        self._supervise()
+      except Exception as e:  # noqa: BLE001 - the batch's items then fail as "no worker could be started"
+        log.error("cannot start a verifier zygote: %s", e)
     tasks: list[Task] = []
     local: list[Task] = []
     for ci, v in enumerate(self.verifiers):
