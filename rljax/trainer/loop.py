@@ -15,6 +15,7 @@ import numpy as np
 from rljax import compile_stats
 from rljax import config as config_lib
 from rljax import sharding as shd
+from rljax.config.validation import check_batch_mesh
 from rljax.errors import ConfigError, RljaxError
 from rljax.models import lora
 from rljax.models.policy import Policy, init_params, param_shardings
@@ -161,6 +162,7 @@ class Trainer:
     from rljax.trainer.rollouts import split_devices
     learner_devices, generator_devices = split_devices(config)
     self.mesh = shd.make_mesh(tuple(config.mesh.shape), devices=learner_devices)
+    check_batch_mesh(config, self.mesh, jax.process_count())
     self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
     policy = load_policy(config.model, config.tokenizer, mesh=self.mesh)
     self.model_config, self.tokenizer = policy.config, policy.tokenizer
