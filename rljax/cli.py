@@ -219,6 +219,7 @@ def cmd_generate(argv: Sequence[str]) -> int:
   args = parser.parse_args(argv)
   import jax
   import numpy as np
+
   import rljax
   policy = rljax.load_pretrained(args.model)
   tok = policy.tokenizer
@@ -269,13 +270,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     print(f"rljax: unknown command {command!r}.{hint}\n\n{USAGE}", file=sys.stderr)
     return 2
-  from rljax.trainer.rundir import RunFinished
   try:
     return COMMANDS[command](rest)
-  except RunFinished as e:
-    print(f"rljax {command}: {e}")
-    return 0
   except RljaxError as e:
+    from rljax.trainer.rundir import RunFinished  # here, not at start-up: the run dir's module imports jax
+    if isinstance(e, RunFinished):
+      print(f"rljax {command}: {e}")
+      return 0
     print(f"rljax {command}: error: {e}", file=sys.stderr)
     return 1
 

@@ -41,8 +41,8 @@ from rljax.errors import ConfigError, RljaxError
 from rljax.models import lora
 from rljax.rewards.callback import local_indices
 from rljax.rollout import Rollout
+from rljax.trainer.setup import by_rows, generate_program, train_step_program, update_program
 from rljax.trainer.state import TrainState
-from rljax.trainer.step import jit_train_step, make_generate_fn, make_train_step, make_update_fn
 
 log = logging.getLogger("rljax")
 
@@ -58,9 +58,11 @@ class RolloutError(RljaxError):
 class RunContext:
   """What a runner may use: the static step, its meshes and shardings, and the scorer.
 
-  The loop builds it once; runners never see the Trainer. `tool_engine` is the multi-turn
+  The loop builds it once; runners never see the Trainer. `setup` (rljax/trainer/setup.py) builds
+  the jitted programs, the same ones `rljax plan` compiles. `tool_engine` is the multi-turn
   producer (rljax/multiturn.py) when config.tools.enabled.
   """
+  setup: Any                       # trainer/setup.py Setup
   spec: Any                        # trainer/step.py StepSpec
   optimizer: Any
   schedule: Callable
@@ -170,11 +172,6 @@ def split_key(rng):
   return jax.random.key_data(key), sub
 
 
-def by_rows(mesh, tree):
-  """NamedShardings that split every array of `tree` (arrays or ShapeDtypeStructs) by its rows."""
-  return jax.tree.map(lambda x: shd.batch_sharding(mesh, x.ndim, x.shape[0]), tree)
-
-
 def make_runner(ctx: RunContext, state: TrainState):
   """The runner of config.rollout.mode (see the module doc)."""
   mode = ctx.rollout_cfg.mode
@@ -208,8 +205,7 @@ class FusedRollouts:
     self.ctx = ctx
     self.index = ctx.start_step
     self.batch_sharding = shd.batch_sharding(ctx.mesh, 2, ctx.batch_rows)
-    step_fn = make_train_step(ctx.spec, ctx.optimizer, ctx.scorer.reward_fn, ctx.schedule, mesh=ctx.mesh)
-    self.train_step = jit_train_step(step_fn, ctx.state_shardings, self.batch_sharding)
+    self.train_step = train_step_program(ctx.setup, ctx.mesh, ctx.state_shardings, ctx.scorer.reward_fn)
 
   def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
     scorer = self.ctx.scorer
@@ -239,10 +235,7 @@ class CompiledProducer:
   """The single-turn sampler as a producer: one jitted program, rows sharded on `mesh`."""
 
   def __init__(self, ctx: RunContext, mesh):
-    generate = make_generate_fn(ctx.spec, mesh)
-    # Every rollout array is sharded by rows; unconstrained, XLA may leave them (and the work
-    # producing them) on one device.
-    self._generate = jax.jit(generate, out_shardings=_rollout_shardings(ctx, mesh, generate))
+    self._generate = generate_program(ctx.setup, mesh)
 
   def __call__(self, params, key, prompt_ids, prompt_mask) -> Rollout:
     return self._generate(params, key, prompt_ids, prompt_mask)
@@ -250,17 +243,6 @@ class CompiledProducer:
   def annotate(self, examples: list, rollout: Rollout) -> tuple[list, dict]:
     """The examples to score each row against, and per-batch metrics (none here)."""
     return examples, {}
-
-
-def _rollout_shardings(ctx: RunContext, mesh, generate):
-  prompts = lambda dtype: jax.ShapeDtypeStruct((ctx.batch_rows, 1), dtype)   # any width: same ranks
-  shapes = jax.eval_shape(generate, _param_shapes(ctx), jax.random.key(0), prompts(np.int32), prompts(bool))
-  return by_rows(mesh, shapes)
-
-
-def _param_shapes(ctx: RunContext):
-  from rljax.models.policy import init_params
-  return jax.eval_shape(lambda: init_params(ctx.spec.model, jax.random.key(0)))
 
 
 class ToolProducer:
@@ -302,8 +284,7 @@ class Decoupled:
     self.rng = np.asarray(jax.device_get(state.rng))
     self.learner_mesh = ctx.mesh
     self.generator_mesh = generator_mesh or ctx.mesh
-    update = make_update_fn(ctx.spec, ctx.optimizer, ctx.schedule, mesh=ctx.mesh, advance_rng=True)
-    self.update = jax.jit(update, donate_argnums=(0,), out_shardings=(ctx.state_shardings, None))
+    self.update = update_program(ctx.setup, ctx.mesh, ctx.state_shardings)
     self.idle = {"generator": 0.0, "scorer": 0.0, "learner": 0.0}
     self.counts = {"batches_generated": 0, "batches_trained": 0}
 
