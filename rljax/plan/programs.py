@@ -34,8 +34,8 @@ from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
 from rljax.models.config import ModelConfig
 from rljax.plan import hlo
-from rljax.trainer import setup as setup_lib
-from rljax.trainer.step import make_generate_fn
+from rljax.rollout.sampler import make_generate_fn
+from rljax.trainer import modes, setup as setup_lib
 
 PROGRAMS = ("sampler", "learner", "fused")
 
@@ -98,9 +98,10 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
   setup = setup_lib.build(config, model, tokenizer if tokenizer is not None else model.eos_token_ids)
   if config.tools.enabled:
     notes.append("tools.enabled: the plan compiles the single-turn sampler; multi-turn segments are smaller.")
-  if config.rollout.mode == "async":
-    notes.append("rollout.mode='async': the plan compiles sampler and learner on the whole mesh; the async mode "
-                 "splits it (rollout.generator_devices).")
+  mode = modes.get(config.rollout.mode)
+  if mode.splits_devices:
+    notes.append(f"rollout.mode={mode.name!r}: the plan compiles sampler and learner on the whole mesh; the mode "
+                 "splits it between generators and the learner (rollout.generator_devices).")
   return Run(setup=setup, model_source=source, notes=notes)
 
 

@@ -21,7 +21,7 @@ from rljax.errors import ConfigError
 
 
 def _sample_fn(config, sp):
-  from rljax.sampling import sample
+  from rljax.rollout.sampler import sample
   return jax.jit(lambda params, ids, mask, key: sample(config, params, ids, mask, sp, key,
                                                         eos_ids=tuple(sp.stop_token_ids)))
 
@@ -53,7 +53,7 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
     run = _sample_fn(model_config, sampling)
   else:
     engine = tool_rollout(sampling)
-    run = lambda params, ids, mask, key: engine.run(params, ids, mask, key)
+    run = lambda params, ids, mask, key: engine.run(params, ids, mask, key)[1].trajectories
   key = jax.random.key(seed)
   per_example: list[dict[str, Any]] = []
   for batch in batcher:
@@ -198,7 +198,7 @@ def eval_main(argv) -> int:
   import rljax
   from rljax.data import build_dataset
   from rljax.rewards import RewardPool, RewardSpec
-  from rljax.sampling import SamplingParams, effective_temperature
+  from rljax.rollout.draw import SamplingParams, effective_temperature
 
   kind = args.kind
   source: dict[str, Any] = {}
@@ -234,7 +234,7 @@ def eval_main(argv) -> int:
   with RewardPool(spec) as pool, _tool_runner(args) as runner:
     tool_rollout = prompt_tools = None
     if runner is not None:
-      from rljax.multiturn import ToolRollout, TurnParams
+      from rljax.rollout.tools import ToolRollout, TurnParams
       tool_rollout = lambda sp: ToolRollout(policy.config, tok, runner, sp, TurnParams(max_turns=args.max_turns),
                                             fmt=args.tool_format, eos_ids=sp.stop_token_ids)
       prompt_tools = runner.schemas() if args.tool_format == "hermes" else None

@@ -11,17 +11,19 @@ import ml_collections
 import numpy as np
 
 from rljax import compile_stats, config as config_lib, sharding as shd
+from rljax.config.validation import check_batch_mesh
 from rljax.data import PromptBatcher, build_dataset
 from rljax.errors import ConfigError, RljaxError
 from rljax.models import lora
-from rljax.models.policy import Policy
 from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
+from rljax.rollout.tools import ToolRollout, TurnParams
+from rljax.rollout.types import Prompts
 from rljax.tools import ToolRunner
 from rljax.trainer import rundir, setup as setup_lib
 from rljax.trainer.checkpoint import Checkpointer
 from rljax.trainer.hooks import StepInfo, default_hooks
 from rljax.trainer.metrics import MetricsWriter, to_floats
-from rljax.trainer.rollouts import Prompts, RunContext, Scorer, make_runner, split_devices
+from rljax.trainer.rollouts import RunContext, Scorer, make_runner, split_devices
 from rljax.trainer.setup import load_policy, sampling_params
 
 __all__ = ["DataExhausted", "PromptFeed", "Trainer", "TrainingStopped", "load_policy", "sampling_params"]
@@ -65,7 +67,7 @@ class PromptFeed:
                           "raise num_epochs or set it to None to cycle forever.") from None
     return batch, self.batcher.state()
 
-  def next(self, sharding):
+  def next(self, sharding) -> Prompts:
     batch, data_state = self.next_host()
     ids, mask = np.asarray(batch.prompt_ids, np.int32), np.asarray(batch.prompt_mask, bool)
     if jax.process_count() > 1:
@@ -99,6 +101,7 @@ class Trainer:
     self._setup_process()
     learner_devices, generator_devices = split_devices(config)
     self.mesh = shd.make_mesh(tuple(config.mesh.shape), devices=learner_devices)
+    check_batch_mesh(config, self.mesh, jax.process_count())
     self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
     policy = setup_lib.load_policy(config.model, config.tokenizer, mesh=self.mesh)
     self.tokenizer = policy.tokenizer
@@ -125,9 +128,6 @@ class Trainer:
     compile_stats.install()
     if config.compile.cache_dir:
       compile_stats.enable_persistent_cache(config.compile.cache_dir)
-    if config.rollout.mode != "fused" and jax.process_count() > 1:
-      raise ConfigError(f"config.rollout.mode={config.rollout.mode!r} runs in one process for now; multi-process "
-                        "runs use rollout.mode='fused'.")
 
   def _setup_runner(self):
     """The runner of config.rollout.mode (trainer/rollouts.py), its programs from the setup."""
@@ -137,7 +137,7 @@ class Trainer:
         state_shardings=self.state_shardings, batch_rows=self.batch_rows, scorer=self.scorer,
         rollout_cfg=c.rollout, steps=c.train.steps, max_staleness=config_lib.max_staleness(c),
         start_step=self.start_step, generator_mesh=self.generator_mesh,
-        tool_engine=self.tool_rollout(self.sp) if c.tools.enabled else None,
+        tools=self.tool_rollout(self.sp) if c.tools.enabled else None,
         pad_id=int(self.tokenizer.pad_id or 0), max_prompt_tokens=c.data.max_prompt_tokens), self.state)
 
   def _setup_tools(self):
@@ -153,8 +153,7 @@ class Trainer:
       self.prompt_tools = self.tool_runner.schemas()
 
   def tool_rollout(self, sp):
-    """A multi-turn rollout engine (rljax/multiturn.py) with sampling params `sp`."""
-    from rljax.multiturn import ToolRollout, TurnParams
+    """The multi-turn rollout engine (rljax/rollout/tools.py) with sampling params `sp`."""
     tl = self.config.tools
     tp = TurnParams(max_turns=tl.max_turns, segment_tokens=tl.segment_tokens, slots=tl.slots,
                     max_response_tokens=tl.max_response_tokens)
@@ -289,7 +288,7 @@ class Trainer:
     out = {"perf/flops_per_s": (work["sample"] + work["update"]) / max(m["time/step"], 1e-9)}
     out["perf/mfu"] = flops.utilization(out["perf/flops_per_s"], self._peak_flops)
     # In the decoupled modes a phase's time is the wait for it, not its duration: no per-phase MFU.
-    for phase in ("sample", "update") if self.config.rollout.mode == "fused" else ():
+    for phase in ("sample", "update") if self.runner.mode.exact_phases else ():
       if m.get(f"time/{phase}", 0.0) > 0:
         out[f"perf/{phase}_mfu"] = flops.utilization(work[phase] / m[f"time/{phase}"], self._peak_flops)
     return out
@@ -298,6 +297,7 @@ class Trainer:
     c = self.config
     writing = jax.process_index() == 0
     if writing:   # the run dir's record of its config: written when training starts, never by a dry run
+      from rljax.trainer import rundir
       rundir.write_config(c, self.out_dir)
     writer = MetricsWriter(self.out_dir, tensorboard=c.output.tensorboard, writing=writing,
                            start_step=self.start_step)
@@ -339,8 +339,7 @@ class Trainer:
       self.close()
       writer.close()
       self.ckpt.wait()
-    if self.config.rollout.mode != "fused":
-      summary["rollout"] = dict(self.runner.counts)
+    summary["rollout"] = dict(self.runner.counts)
     summary["metrics_file"] = writer.path
     if c.output.tensorboard:
       summary["tensorboard_dir"] = os.path.join(self.out_dir, "tb")
@@ -380,6 +379,7 @@ class Trainer:
     """The trained model as a Hugging Face directory, `<output.dir>/hf`; under LoRA the adapters
     merged into the base there, and the adapters alone in PEFT's layout in `<output.dir>/peft`."""
     from rljax.models.io import save_pretrained
+    from rljax.models.policy import Policy
     out = os.path.join(self.out_dir, "hf")
     dtype = self.config.output.export_dtype
     if self.model_config.lora is None:

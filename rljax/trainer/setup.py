@@ -35,11 +35,12 @@ from rljax.models.gguf_io import open_gguf
 from rljax.models.io import CONFIG_FILE, TOKENIZER_FILES, load_pretrained, resolve
 from rljax.models.policy import Policy, init_params, param_shardings
 from rljax.rl import LossConfig
-from rljax.sampling import SamplingParams
+from rljax.rollout.draw import SamplingParams
+from rljax.rollout.sampler import make_generate_fn
 from rljax.tokenizer import Tokenizer, load_tokenizer
 from rljax.trainer.optim import make_optimizer
 from rljax.trainer.state import TrainState
-from rljax.trainer.step import StepSpec, jit_train_step, make_generate_fn, make_train_step, make_update_fn
+from rljax.trainer.step import StepSpec, jit_train_step, make_train_step, make_update_fn
 
 # ---- the model ----------------------------------------------------------------------------------
 
@@ -307,7 +308,7 @@ def generate_program(setup: Setup, mesh, *, decode_budget_bytes: int | None = No
 def update_program(setup: Setup, mesh, shardings: TrainState):
   """The update of the decoupled modes, jitted with the state donated:
   `(state, scored Rollout) -> (state, metrics)`."""
-  update = make_update_fn(setup.spec, setup.optimizer, setup.schedule, mesh=mesh, advance_rng=True)
+  update = make_update_fn(setup.spec, setup.optimizer, setup.schedule, mesh=mesh)
   return jax.jit(update, donate_argnums=(0,), out_shardings=(shardings, None))
 
 
