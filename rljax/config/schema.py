@@ -19,6 +19,7 @@ from rljax.data.config import SOURCE_KINDS
 from rljax.models import families
 from rljax.models.config import ATTENTION_IMPLS
 from rljax.rl.config import PRESETS, LossConfig
+from rljax.trainer import modes
 from rljax.trainer.optim import SCHEDULES
 
 
@@ -119,6 +120,8 @@ SCHEMA = Section(
         prompt_template=Field("{prompt}", "the user message; {prompt} is the example's prompt"),
         max_prompt_tokens=Field(128, "prompts longer than this (in tokens, after the chat template) are filtered out"),
         on_malformed=Field("skip", "an example the source cannot parse: skip (and count it) or raise"),
+        max_line_bytes=Field(16 << 20, "a JSONL line longer than this (bytes) is a malformed row, never read "
+                                       "into memory"),
         shuffle=Field(True, "shuffle the examples (each epoch)"),
         seed=Field(0, "seed of the shuffle and of procedural sources"),
         num_epochs=Field(None, "passes over the data before the run stops; None cycles forever"),
@@ -183,7 +186,7 @@ SCHEMA = Section(
     ),
     rollout=Section(
         "How generation, scoring and updates are scheduled (docs/rollouts.md).",
-        mode=Field("fused", "fused | pipelined | async | partial"),
+        mode=Field("fused", " | ".join(modes.MODES) + " (docs/rollouts.md)"),
         max_staleness=Field(-1, "policy versions a sample may lag; -1 = the mode's default (1)"),
         proximal=Field("recompute", "off-policy lp_old: recompute (decoupled PPO) | sampler (PPO on behaviour)"),
         generator_devices=Field(0, "async: devices of the generator part of the mesh (0 = half)"),
