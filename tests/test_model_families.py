@@ -28,8 +28,8 @@ SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, 
 
 
 def _hf(model_type, **fields):
-  return dict(model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=8, **fields)
+  return {**dict(model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8), **fields}
 
 
 def test_registry_lookups_and_errors():
@@ -96,6 +96,11 @@ def test_fields_that_change_the_computation_are_refused_by_name(hf, needles):
   assert message.startswith("d/config.json: ") and "\n" not in message
   for needle in needles:
     assert needle in message, (needle, message)
+
+
+def test_odd_head_dim_is_refused():
+  with pytest.raises(ConfigError, match="model.head_dim=7 must be even"):
+    ModelConfig.from_hf(_hf("qwen3", head_dim=7))
 
 
 def test_fields_that_do_not_change_the_computation_load():

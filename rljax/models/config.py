@@ -140,6 +140,8 @@ class ModelConfig:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
       if int(getattr(self, name)) < 1:
         raise ConfigError(f"model.{name}={getattr(self, name)!r} must be a positive integer.")
+    if self.head_dim % 2:
+      raise ConfigError(f"model.head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions.")
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}.")
     for name in ("dtype", "param_dtype"):

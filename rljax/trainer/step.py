@@ -33,6 +33,7 @@ from rljax.models.config import ModelConfig
 from rljax.models.policy import apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
 from rljax.rl import LossConfig, chunked_logprobs, compute_advantages, kl_penalty, make_denominators, policy_loss
+from rljax.rl.metrics import Metrics
 from rljax.rollout.draw import SamplingParams
 from rljax.rollout.sampler import make_generate_fn
 from rljax.rollout.types import Rollout
@@ -109,16 +110,15 @@ def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, m
   return lp, ent
 
 
-def add_aux_losses(loss, metrics: dict, aux_losses: dict, share):
+def add_aux_losses(loss, metrics: Metrics, aux_losses: dict, share):
   """The model's auxiliary losses added to the policy loss: loss + share * sum(aux_losses), each
-  also reported as metric `aux_<name>` (share-weighted, so the micro-batches or packed blocks of an
-  update sum to its token-weighted mean). share: [] this forward's fraction of the update's real
-  tokens. Dense models have none: loss and metrics come back unchanged (nothing is traced)."""
+  also reported as metric `aux_<name>` (reduced by "sum" and share-weighted, so the micro-batches
+  or packed blocks of an update sum to its token-weighted mean). share: [] this forward's fraction
+  of the update's real tokens. Dense models have none: loss and metrics come back unchanged."""
   if not aux_losses:
     return loss, metrics
-  metrics = dict(metrics)
-  for name, value in aux_losses.items():
-    metrics[f"aux_{name}"] = jax.lax.stop_gradient(share * value)
+  metrics = metrics.with_values(**{f"aux_{name}": jax.lax.stop_gradient(share * value)
+                                   for name, value in aux_losses.items()})
   return loss + share * sum(aux_losses.values()), metrics
 
 
