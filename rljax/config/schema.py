@@ -16,8 +16,10 @@ from typing import Any, Mapping
 import ml_collections
 
 from rljax.data.config import SOURCE_KINDS
-from rljax.models.config import ARCHITECTURES, ATTENTION_IMPLS
+from rljax.models import families
+from rljax.models.config import ATTENTION_IMPLS
 from rljax.rl.config import PRESETS, LossConfig
+from rljax.trainer import modes
 from rljax.trainer.optim import SCHEDULES
 
 
@@ -103,7 +105,7 @@ SCHEMA = Section(
             num_heads=Field(4, "query heads"),
             num_kv_heads=Field(2, "key/value heads (grouped-query attention when fewer than num_heads)"),
             head_dim=Field(16, "dimension of each attention head"),
-            architecture=Field("llama", "model family: " + " | ".join(ARCHITECTURES)),
+            architecture=Field("llama", "model family: " + " | ".join(families.names())),
             tie_word_embeddings=Field(True, "the output projection is the embedding matrix"),
             seed=Field(0, "seed of the random initialisation"),
         ),
@@ -184,7 +186,7 @@ SCHEMA = Section(
     ),
     rollout=Section(
         "How generation, scoring and updates are scheduled (docs/rollouts.md).",
-        mode=Field("fused", "fused | pipelined | async | partial"),
+        mode=Field("fused", " | ".join(modes.MODES) + " (docs/rollouts.md)"),
         max_staleness=Field(-1, "policy versions a sample may lag; -1 = the mode's default (1)"),
         proximal=Field("recompute", "off-policy lp_old: recompute (decoupled PPO) | sampler (PPO on behaviour)"),
         generator_devices=Field(0, "async: devices of the generator part of the mesh (0 = half)"),
