@@ -15,7 +15,8 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "rljax", "configs")
 
 def smoke(tmp_path, *overrides):
   cfg = load_config_file(os.path.join(CONFIGS, "smoke.py"))
-  apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "checkpoint.resume=False", "train.steps=3", *overrides])
+  apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "checkpoint.resume=False", "train.steps=3",
+                        *overrides])
   return cfg
 
 
