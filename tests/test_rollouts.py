@@ -15,7 +15,8 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "rljax", "configs")
 
 def smoke(tmp_path, *overrides):
   cfg = load_config_file(os.path.join(CONFIGS, "smoke.py"))
-  apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "checkpoint.resume=False", "train.steps=3", *overrides])
+  apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "checkpoint.resume=False", "train.steps=3",
+                        *overrides])
   return cfg
 
 
@@ -166,6 +167,22 @@ def test_async_pool_crash_loses_no_batches(tmp_path, verifier_module):
   assert all(np.isfinite(m["loss"]) for m in got) and len(got) == steps
   assert trainer.runner.counts == {"batches_generated": steps, "batches_trained": steps, "batches_dropped": 0}
   assert int(trainer.state.step) == steps
+
+
+def test_mode_registry_declares_every_runner():
+  """Each mode of the registry names a runner class that declares that mode; what the loop and the
+  validation read (staleness bounds, exact phases, multi-process, tools) is declared there."""
+  from rljax.trainer import modes
+  assert set(modes.MODES) == {"fused", "pipelined", "async", "partial"}
+  for name, mode in modes.MODES.items():
+    assert mode.runner_class().mode is mode and mode.name == name
+  fused, pipelined, partial = modes.get("fused"), modes.get("pipelined"), modes.get("partial")
+  assert fused.exact_phases and fused.multi_process and fused.staleness(-1) == 0
+  assert pipelined.tools and pipelined.max_staleness == 1 and pipelined.staleness(-1) == 1
+  assert partial.staleness(3) == 3 and partial.own_fields == ("oversample",)
+  assert [m.name for m in modes.MODES.values() if m.splits_devices] == ["async"]
+  with pytest.raises(ConfigError, match="rollout.mode='offline' is not one of"):
+    modes.get("offline")
 
 
 @pytest.mark.parametrize("overrides, match", [

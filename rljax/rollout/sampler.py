@@ -44,7 +44,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from rljax import sharding as shd

@@ -263,8 +263,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skipped = skip_counts(opt_state)
-    metrics = metrics.with_values(loss=loss, grad_norm=optax.tree.norm(grads),
-                                  skipped=(skipped["total"] > skip_counts(state.opt_state)["total"]).astype(jnp.float32))
+    skipped_now = (skipped["total"] > skip_counts(state.opt_state)["total"]).astype(jnp.float32)
+    metrics = metrics.with_values(loss=loss, grad_norm=optax.tree.norm(grads), skipped=skipped_now)
     if learning_rate_fn is not None:
       metrics = metrics.with_values(learning_rate=learning_rate_fn(state.step * updates_per_step + index))
     return state.replace(params=params, opt_state=opt_state), metrics
