@@ -290,9 +290,12 @@ def check_batch_mesh(c: ml_collections.ConfigDict, mesh, process_count: int) -> 
 
 def _validate_rewards(c: ml_collections.ConfigDict) -> None:
   """The reward spec as the pool will read it (rljax.rewards.RewardSpec): fields, verifiers, their
-  kwargs and signatures, time limits; no worker is started."""
-  from rljax.rewards.spec import RewardSpec   # noqa: PLC0415 - keeps `import rljax.config` light
+  kwargs and signatures, time limits, and its routing against data.sources[i].verifier (every
+  source's verifier scores its rows, no fixed verifier scores another source's rows; see
+  rljax/rewards/routing.py); no worker is started."""
+  from rljax.rewards.routing import source_verifiers_from_data   # noqa: PLC0415 - keeps `import rljax.config` light
+  from rljax.rewards.spec import RewardSpec   # noqa: PLC0415
   try:
-    RewardSpec.from_dict(c.rewards.to_dict())
+    RewardSpec.from_dict(c.rewards.to_dict(), source_verifiers=source_verifiers_from_data(c.data))
   except ConfigError as e:
     raise ConfigError(f"config.{e}") from None

@@ -347,8 +347,8 @@ class RewardFn:
     """`last_metrics` combined over every process (a host all-gather: call it on every process).
 
     reward/mean, /std, /min, /max are exact over all rows; counts (verifier/timeouts, ...)
-    are summed; verifier/seconds is the slowest process's; other means are weighted by each
-    process's rows. Adds verifier/items (rows scored, all processes) and
+    are summed; verifier/seconds is the slowest process's; other means are weighted by the rows
+    each process's figure is over (a component's scored rows, a source's rows, else all). Adds verifier/items (rows scored, all processes) and
     verifier/scoring_processes (processes that scored at least one row).
     """
     import jax
@@ -389,14 +389,17 @@ def _summary(batch: RewardBatch | None, rewards: np.ndarray | None) -> dict:
   if batch is None or rewards is None:
     return {"n": 0, "rewards": [], "metrics": {}}
   r = np.asarray(rewards, np.float64).reshape(-1)
-  return {"n": int(r.size), "rewards": r.tolist(), "metrics": {k: float(v) for k, v in batch.metrics.items()}}
+  return {"n": int(r.size), "rewards": r.tolist(), "metrics": {k: float(v) for k, v in batch.metrics.items()},
+          "rows": {k: int(v) for k, v in batch.metric_rows.items()}}
 
 
 def combine_process_metrics(parts: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-  """Global reward metrics from per-process summaries ({"n", "rewards", "metrics"}).
+  """Global reward metrics from per-process summaries ({"n", "rewards", "metrics", "rows"}).
 
   reward/mean, /std, /min, /max come from every process's rewards with exactly rounded sums
-  (math.fsum), so they do not depend on how the rows were split over processes.
+  (math.fsum), so they do not depend on how the rows were split over processes. A mean over some
+  of a process's rows (a component's over the rows it scores, a source's over its rows:
+  `RewardBatch.metric_rows`, "rows" here) is weighted by those rows, any other by all its rows.
   """
   parts = [p for p in parts if p.get("n", 0) > 0]
   if not parts:
@@ -415,8 +418,8 @@ def combine_process_metrics(parts: Sequence[Mapping[str, Any]]) -> dict[str, flo
       seconds = max(p["metrics"].get("verifier/seconds", 0.0) for p in parts)
       out[key] = n / seconds if seconds > 0 else 0.0
     else:
-      weight = sum(p["n"] for p in have)
-      out[key] = float(math.fsum(p["n"] * v for p, v in zip(have, values)) / max(weight, 1))
+      weights = [p.get("rows", {}).get(key, p["n"]) for p in have]
+      out[key] = float(math.fsum(w * v for w, v in zip(weights, values)) / max(sum(weights), 1))
   out.update(reward_summary(np.concatenate([np.asarray(p["rewards"], np.float64) for p in parts])))
   out["verifier/items"] = float(n)
   out["verifier/scoring_processes"] = float(len(parts))
