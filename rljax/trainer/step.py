@@ -33,7 +33,6 @@ from rljax.models.config import ModelConfig
 from rljax.models.policy import apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
 from rljax.rl import LossConfig, chunked_logprobs, compute_advantages, kl_penalty, make_denominators, policy_loss
-from rljax.rl.losses import combine_metrics, metric_reduction, reduce_stacked
 from rljax.rollout.draw import SamplingParams
 from rljax.rollout.sampler import make_generate_fn
 from rljax.rollout.types import Rollout
@@ -146,9 +145,9 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
   micro-batches: one copy of forward + backward in the program whatever their numbers);
   `state.step` advances by one.
 
-  Metrics: the loss metrics of one optimizer update combine over its micro-batches by their
-  reduction (`rljax.rl.losses.metric_reduction`: sum of globally normalised parts, max, min),
-  then over the step's updates (mean, max, min).
+  Metrics: the loss metrics of one optimizer update combine over its micro-batches by the
+  reduction each was declared with where it is made (`rljax.rl.metrics.Metrics`: sum of globally
+  normalised parts, max, min), then over the step's updates (mean, max, min).
   """
   cfg = spec.loss
   g = spec.group
@@ -182,7 +181,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     zeros = jax.tree.map(jnp.zeros_like, params)
     (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
                                           (micro, jnp.arange(spec.micro_batches)))
-    return loss, grads, reduce_stacked(metrics, over="micro_batches")
+    return loss, grads, metrics.reduce_stacked(over="micro_batches")
 
   def accumulate_packed(params, frozen, batch: TrainBatch, key):
     """`accumulate` over packed blocks of real tokens (trainer/packing.py): as many blocks as the
@@ -209,23 +208,22 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
 
     block_grad = jax.value_and_grad(block_loss, has_aux=True)
     shapes = jax.eval_shape(block_loss, params, jnp.int32(0))[1]
-    init = {k: jnp.full(v.shape, {"sum": 0.0, "max": -jnp.inf, "min": jnp.inf}[metric_reduction(k)], v.dtype)
-            for k, v in shapes.items()}
+    init = shapes.identity()
 
     def body(k, carry):
       loss_acc, grads_acc, metrics_acc = carry
       (loss, metrics), grads = block_grad(params, k)
-      return loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads), combine_metrics(metrics_acc, metrics)
+      return loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads), metrics_acc.combine(metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     loss, grads, metrics = jax.lax.fori_loop(0, layout.num_blocks, body, (jnp.zeros((), jnp.float32), zeros, init))
     # Lengths over every row of the update, not per block (a block's other rows are masked out).
     lengths = batch.mask.sum(-1).astype(jnp.float32)
-    metrics.update(response_length_max=lengths.max(), response_length_min=lengths.min(),
-                   truncation_rate=batch.truncated.astype(jnp.float32).mean(),
-                   packed_blocks=layout.num_blocks.astype(jnp.float32),
-                   packed_tokens=(layout.num_blocks * bins * width).astype(jnp.float32),
-                   padded_tokens=jnp.asarray(lengths.shape[0] * width, jnp.float32))
+    metrics = metrics.with_values(
+        response_length_max=lengths.max(), response_length_min=lengths.min(),
+        truncation_rate=batch.truncated.astype(jnp.float32).mean(), packed_blocks=layout.num_blocks.astype(jnp.float32),
+        packed_tokens=(layout.num_blocks * bins * width).astype(jnp.float32),
+        padded_tokens=jnp.asarray(lengths.shape[0] * width, jnp.float32))
     return loss, grads, metrics
 
   def optimizer_update(state: TrainState, mb: TrainBatch, index):
@@ -234,10 +232,10 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skipped = skip_counts(opt_state)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
-                   skipped=(skipped["total"] > skip_counts(state.opt_state)["total"]).astype(jnp.float32))
+    metrics = metrics.with_values(loss=loss, grad_norm=optax.tree.norm(grads),
+                                  skipped=(skipped["total"] > skip_counts(state.opt_state)["total"]).astype(jnp.float32))
     if learning_rate_fn is not None:
-      metrics["learning_rate"] = learning_rate_fn(state.step * updates_per_step + index)
+      metrics = metrics.with_values(learning_rate=learning_rate_fn(state.step * updates_per_step + index))
     return state.replace(params=params, opt_state=opt_state), metrics
 
   def train_batch(state: TrainState, rollout: Rollout) -> tuple[TrainBatch, dict]:
@@ -288,7 +286,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
         return optimizer_update(state, mb, index)
 
       state, per_update = jax.lax.scan(one_update, state, jnp.arange(updates_per_step))
-      metrics.update(reduce_stacked(per_update, over="updates"))
+      metrics.update(per_update.reduce_stacked(over="updates"))
       skipped = skip_counts(state.opt_state)
       metrics["skipped_consecutive"] = skipped["consecutive"].astype(jnp.float32)
       metrics["skipped_total"] = skipped["total"].astype(jnp.float32)
