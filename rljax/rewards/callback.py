@@ -58,7 +58,7 @@ class _Round:
 
   def __init__(self, expected: int):
     self.expected = expected
-    self.arrivals: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []   # (rows, tokens, lengths)
+    self.arrivals: list[tuple] = []   # (rows, tokens, lengths, graph scores or None)
     self.start = time.perf_counter()
     self.closed = False       # no more arrivals join (all came, or a waiter stopped waiting)
     self.scoring = False
@@ -77,11 +77,16 @@ class RewardFn:
     mesh: score per device shard on this mesh (per host); None scores the whole batch at once.
     gather_timeout_s: how long a device's callback waits for the process's other devices
       before scoring its rows alone (a warning is logged when that happens).
+    graph: the spec's reward models and judges (rljax/rewards/reward_models.py GraphScorer), scored
+      in the step before the callback; their scores join the pool's components on the host.
   """
 
   def __init__(self, pool: RewardPool, decode_fn: Callable[[list[list[int]]], Sequence[str]], *,
-               group_size: int = 1, mesh: Any = None, gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S):
+               group_size: int = 1, mesh: Any = None, gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S,
+               graph: Any = None):
     self.pool = pool
+    self.graph = graph if graph is not None and len(graph) else None
+    self._graph_jit = None
     self.decode_fn = decode_fn
     self.group_size = int(group_size)
     self.mesh = mesh
@@ -146,11 +151,12 @@ class RewardFn:
     return out
 
   def host_fn(self, tokens: np.ndarray, lengths: np.ndarray, rows: np.ndarray | None = None,
-              n_total: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+              n_total: int | None = None, graph_scores: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Decodes and scores rows on the host; returns (rewards [n] f32, components [n, K] f32).
 
     tokens [n, T], lengths [n]; rows [n] their global row indices and n_total the batch's N
-    (defaults: the n rows are the whole batch, in order).
+    (defaults: the n rows are the whole batch, in order); graph_scores [n, K_graph] the in-graph
+    components' scores of the rows.
     """
     start = time.perf_counter()
     tokens = np.asarray(tokens)
@@ -159,7 +165,7 @@ class RewardFn:
     with self._lock:
       step, g = self._step, self.group_size
       examples = self._lookup(rows, n if n_total is None else int(n_total))
-    rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows)
+    rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows, graph_scores)
     with self._lock:
       self._publish(out, rows, rewards, start)
     return rewards, comps
@@ -168,7 +174,7 @@ class RewardFn:
     self._last, self._last_rows, self._last_rewards = out, rows, rewards
     self._timing = {"start": start, "end": time.perf_counter()}
 
-  def _score_rows(self, tokens, lengths, examples, step, g, rows):
+  def _score_rows(self, tokens, lengths, examples, step, g, rows, graph_scores=None):
     """Scores rows [n] (sorted global indices, whole groups) against their examples."""
     tokens = np.asarray(tokens)
     lengths = np.asarray(lengths).reshape(-1).astype(np.int64)
@@ -179,24 +185,31 @@ class RewardFn:
       raise ValueError(f"reward callback: the {n} rows on this process are not whole groups of {g} "
                        "(group verifiers need every completion of a prompt); make train.prompts_per_step "
                        "divisible by the product of mesh.shape's data and fsdp axes.")
-    return self._decode_and_score(tokens, lengths, examples, g, step)
+    return self._decode_and_score(tokens, lengths, examples, g, step, graph_scores)
 
-  def _decode_and_score(self, tokens, lengths, examples, g: int, step: int):
+  def _decode_and_score(self, tokens, lengths, examples, g: int, step: int, graph_scores=None):
     """Detokenizes rows [N, T] up to their lengths and scores them: (rewards [N], comps [N, K], batch)."""
     n = tokens.shape[0]
     ids = [tokens[i, :max(0, min(int(lengths[i]), tokens.shape[1]))].tolist() for i in range(n)]
     texts = list(self.decode_fn(ids))
-    out = self.pool.score(texts, examples, num_tokens=lengths, group_size=g, step=step)
+    precomputed = None
+    if self.graph is not None and graph_scores is not None:
+      graph_scores = np.asarray(graph_scores, np.float64).reshape(n, len(self.graph))
+      precomputed = {name: graph_scores[:, j] for j, name in enumerate(self.graph.names)}
+    out = self.pool.score(texts, examples, num_tokens=lengths, group_size=g, step=step, precomputed=precomputed)
     rewards = np.asarray(out.rewards, np.float32).reshape(n)
     comps = out.components_matrix().reshape(n, len(self.component_names))
     return rewards, comps, out
 
   def score(self, tokens: np.ndarray, lengths: np.ndarray, examples: Sequence[Mapping[str, Any]], *,
-            step: int = 0, group_size: int | None = None) -> tuple[np.ndarray, np.ndarray, RewardBatch]:
+            step: int = 0, group_size: int | None = None, rollout: Any = None
+            ) -> tuple[np.ndarray, np.ndarray, RewardBatch]:
     """Decodes and scores tokens [N, T] (lengths [N]) outside jit, without touching set_batch state.
 
     Returns (rewards [N] f32, components [N, K] f32, the pool's RewardBatch). The decoupled
-    rollout modes call this from their scoring thread (trainer/rollouts.py).
+    rollout modes call this from their scoring thread (trainer/rollouts.py). With reward models
+    or judges, `rollout` (the device arrays of these rows) is scored by them on the mesh first
+    (`graph_scores`).
     """
     g = self.group_size if group_size is None else int(group_size)
     tokens = np.asarray(tokens)
@@ -205,7 +218,34 @@ class RewardFn:
     if len(examples) not in (n, n // max(g, 1)) or n % g:
       raise ValueError(f"reward_fn got {n} completions for {len(examples)} examples with group_size={g}; "
                        "set_batch needs one example per prompt (N // G) or per completion (N).")
-    return self._decode_and_score(tokens, lengths, examples, g, step)
+    graph_scores = None
+    if self.graph is not None:
+      if rollout is None:
+        raise ValueError("reward_fn.score: the spec has reward models or judges; pass rollout= (the rows' device "
+                         "arrays) so that they score them on the mesh.")
+      graph_scores = self.graph_scores(rollout.tokens, rollout.lengths, examples)
+    return self._decode_and_score(tokens, lengths, examples, g, step, graph_scores)
+
+  def graph_inputs(self, examples: Sequence[Mapping[str, Any]], num_prompts: int | None = None):
+    """The step's reward inputs (the models' parameters and prompt pieces; GraphScorer.inputs), or
+    None without reward models and judges."""
+    return None if self.graph is None else self.graph.inputs(examples, num_prompts)
+
+  def graph_scores(self, tokens, lengths, examples: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """[N, K_graph] host scores of device rows tokens [N, T], lengths [N] by the reward models and
+    judges, in one compiled program on the graph's mesh (the decoupled modes' path)."""
+    import jax
+    from rljax import sharding as shd
+    if self._graph_jit is None:
+      def run(inputs, tokens, lengths):
+        with shd.activate(self.graph.mesh):
+          return self.graph.scores(inputs, tokens, lengths)
+      self._graph_jit = jax.jit(run)
+    n = tokens.shape[0]
+    if self.graph.mesh is not None:   # rows may live on another mesh (the async generators')
+      tokens, lengths = (jax.device_put(x, shd.batch_sharding(self.graph.mesh, x.ndim, n)) for x in (tokens, lengths))
+    inputs = self.graph.inputs(examples, len(examples))
+    return np.asarray(jax.device_get(self._graph_jit(inputs, tokens, lengths)), np.float32)
 
   # ---- per-shard callbacks: one round per step on this process --------------------------------
 
@@ -215,8 +255,8 @@ class RewardFn:
     return sum(1 for d in np.asarray(self.mesh.devices).flat if d.process_index == me)
 
   def _shard_fn(self, n_total: int, width: int, *args) -> tuple[np.ndarray, np.ndarray]:
-    """One device's callback: its rows' tokens (in pieces), lengths and global row indices."""
-    *pieces, lengths, rows = args
+    """One device's callback: its rows' tokens (in pieces), lengths, (graph scores,) and global row indices."""
+    pieces, lengths, extra, rows = self._unpack(args)
     rows = np.asarray(rows, np.int64).reshape(-1)
     n = rows.size
     flat = np.concatenate([np.asarray(p).reshape(-1) for p in pieces]) if pieces else np.zeros(0, np.int32)
@@ -226,7 +266,7 @@ class RewardFn:
       r = self._round
       if r is None or r.closed:
         r = self._round = _Round(self._local_devices())
-      r.arrivals.append((rows, tokens, lengths))
+      r.arrivals.append((rows, tokens, lengths, extra))
       if len(r.arrivals) >= r.expected:
         r.closed = True
         self._cv.notify_all()
@@ -259,11 +299,13 @@ class RewardFn:
       rows = np.concatenate([a[0] for a in r.arrivals])
       tokens = np.concatenate([a[1] for a in r.arrivals])
       lengths = np.concatenate([a[2] for a in r.arrivals])
+      extra = None if self.graph is None else np.concatenate([np.asarray(a[3]) for a in r.arrivals])
       rows, first = np.unique(rows, return_index=True)   # replicas (other mesh axes) scored once
       tokens, lengths = tokens[first], lengths[first]
+      extra = None if extra is None else extra[first]
       with self._lock:
         examples = self._lookup(rows, n_total)
-      rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows)
+      rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows, extra)
       results = {int(i): (float(rw), c) for i, rw, c in zip(rows, rewards, comps)}
       with self._cv:
         r.results = results
@@ -278,11 +320,13 @@ class RewardFn:
 
   # ---- jit side -----------------------------------------------------------------------------------
 
-  def __call__(self, tokens, lengths):
+  def __call__(self, tokens, lengths, inputs=None):
     """Inside jit: (rewards [N] float32, components [N, K] float32) via io_callback.
 
     tokens [N, T] int, lengths [N] int. With a mesh of more than one device the rows are
-    scored per device shard (module doc) and the results are sharded like the rows.
+    scored per device shard (module doc) and the results are sharded like the rows. `inputs`
+    (`graph_inputs`): with reward models or judges, they score the rows here, in the program,
+    and their [N, K_graph] scores go to the host with the tokens.
     """
     import jax
     import jax.numpy as jnp
@@ -292,9 +336,14 @@ class RewardFn:
     tokens = tokens.astype(jnp.int32)
     lengths = lengths.astype(jnp.int32)
     rows = jnp.arange(n, dtype=jnp.int32)
+    extra = []
+    if self.graph is not None:
+      if inputs is None:
+        raise ValueError("reward_fn: the spec has reward models or judges; pass inputs=reward_fn.graph_inputs(...)")
+      extra = [jax.lax.stop_gradient(self.graph.scores(inputs, tokens, lengths)).astype(jnp.float32)]
     if self.mesh is None or self.mesh.size == 1:
       shapes = (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32))
-      return io_callback(lambda *a: self._whole_fn(n, width, *a), shapes, *_pieces(tokens), lengths, rows,
+      return io_callback(lambda *a: self._whole_fn(n, width, *a), shapes, *_pieces(tokens), lengths, *extra, rows,
                          ordered=False)
     from jax.sharding import NamedSharding, PartitionSpec as P
     from rljax import sharding as shd
@@ -304,24 +353,33 @@ class RewardFn:
     if axes is not None and n % math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)):
       axes = None
 
-    def body(tok, lens, idx):
+    def body(tok, lens, idx, *more):
       m = tok.shape[0]
       shapes = (jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((m, k), jnp.float32))
-      return io_callback(lambda *a: self._shard_fn(n, width, *a), shapes, *_pieces(tok), lens, idx,
+      return io_callback(lambda *a: self._shard_fn(n, width, *a), shapes, *_pieces(tok), lens, *more, idx,
                          ordered=False)
 
-    rewards, comps = jax.shard_map(body, mesh=self.mesh, in_specs=(P(axes, None), P(axes), P(axes)),
-                                   out_specs=(P(axes), P(axes, None)), check_vma=False)(tokens, lengths, rows)
+    specs = (P(axes, None), P(axes), P(axes)) + (P(axes, None),) * len(extra)
+    rewards, comps = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=(P(axes), P(axes, None)),
+                                   check_vma=False)(tokens, lengths, rows, *extra)
     rewards = jax.lax.with_sharding_constraint(rewards, NamedSharding(self.mesh, P(axes)))
     comps = jax.lax.with_sharding_constraint(comps, NamedSharding(self.mesh, P(axes, None)))
     return rewards, comps
 
   def _whole_fn(self, n_total: int, width: int, *args):
     """The callback without a mesh: every row at once."""
-    *pieces, lengths, rows = args
+    pieces, lengths, extra, rows = self._unpack(args)
     flat = np.concatenate([np.asarray(p).reshape(-1) for p in pieces]) if pieces else np.zeros(0, np.int32)
     tokens = flat[:n_total * width].reshape(n_total, width)
-    return self.host_fn(tokens, lengths, rows, n_total)
+    return self.host_fn(tokens, lengths, rows, n_total, extra)
+
+  def _unpack(self, args):
+    """(token pieces, lengths, graph scores or None, rows) of a callback's arguments."""
+    if self.graph is None:
+      *pieces, lengths, rows = args
+      return pieces, lengths, None, rows
+    *pieces, lengths, extra, rows = args
+    return pieces, lengths, np.asarray(extra), rows
 
   # ---- results --------------------------------------------------------------------------------------
 
@@ -425,6 +483,7 @@ def combine_process_metrics(parts: Sequence[Mapping[str, Any]]) -> dict[str, flo
 
 def make_reward_fn(pool: RewardPool, decode_fn: Callable[[list[list[int]]], Sequence[str]], *,
                    group_size: int = 1, mesh: Any = None,
-                   gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S) -> RewardFn:
-  """The io_callback reward function of `pool` (see the module doc)."""
-  return RewardFn(pool, decode_fn, group_size=group_size, mesh=mesh, gather_timeout_s=gather_timeout_s)
+                   gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S, graph: Any = None) -> RewardFn:
+  """The io_callback reward function of `pool` (see the module doc); `graph`: the spec's reward
+  models and judges (rljax/rewards/reward_models.py GraphScorer)."""
+  return RewardFn(pool, decode_fn, group_size=group_size, mesh=mesh, gather_timeout_s=gather_timeout_s, graph=graph)

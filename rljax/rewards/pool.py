@@ -220,7 +220,8 @@ class RewardPool:
 
   # ---- scoring -----------------------------------------------------------------------------
   def score(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]], *,
-            num_tokens: Sequence[int] | np.ndarray | None = None, group_size: int = 1, step: int = 0) -> RewardBatch:
+            num_tokens: Sequence[int] | np.ndarray | None = None, group_size: int = 1, step: int = 0,
+            precomputed: Mapping[str, Sequence[float] | np.ndarray] | None = None) -> RewardBatch:
     """Scores N completions.
 
     Args:
@@ -229,6 +230,9 @@ class RewardPool:
       num_tokens: N completion token counts (needed by token-based components such as overlong).
       group_size: G, completions per prompt (group verifiers receive the G of a prompt).
       step: the training step (for weight schedules and step-aware verifiers).
+      precomputed: {name: [N] scores} of the in-graph components (reward models and judges,
+        scored in the compiled step: rljax/rewards/graph.py); one that is absent scores no item
+        (e.g. in an evaluation that runs no model). A non-finite score fails its item (fallback).
     Returns:
       RewardBatch with rewards [N], components {name: [N]}, metrics and error messages.
     """
@@ -254,10 +258,19 @@ class RewardPool:
       if r.verifier.wants_num_tokens and tokens is None:
         raise ValueError(f"component '{self.spec.components[r.component].name}' (verifier '{r.verifier.name}') "
                          "needs completion token counts: pass num_tokens= to score().")
+    graph_scores = {}
+    for name, values in (precomputed or {}).items():
+      if name not in self.component_names or not self.spec.components[self.component_names.index(name)].in_graph:
+        raise ValueError(f"precomputed scores for {name!r}, which is not a reward model or judge component of the "
+                         f"spec ({[c.name for c in self.spec.graph_components]}).")
+      values = np.asarray(values, np.float64).reshape(-1)
+      if values.shape[0] != n:
+        raise ValueError(f"precomputed scores for {name!r} have {values.shape[0]} entries for {n} completions.")
+      graph_scores[name] = values
     with self._lock:
-      return self._score(completions, examples, tokens, group_size, int(step))
+      return self._score(completions, examples, tokens, group_size, int(step), graph_scores)
 
-  def _score(self, completions, examples, tokens, group_size, step) -> RewardBatch:
+  def _score(self, completions, examples, tokens, group_size, step, graph_scores=None) -> RewardBatch:
     start = time.monotonic()
     spec = self.spec
     k, n = len(spec.components), len(completions)
@@ -285,9 +298,25 @@ class RewardPool:
       if error is None and results is not None:
         error = _bad_results(results, len(task.items))
       if error is None and results is not None:
+        fb = spec.components[ci].fallback
+        fb = spec.fallback if fb is None else fb
+        lost = []
         for i, (s, info) in zip(task.items, results):
-          scores[ci, i] = s
-          infos[ci][i] = info
+          if s is None:   # an item the verifier could not score (base.ItemFailure)
+            lost.append(i)
+            scores[ci, i], failed[ci, i] = fb, True
+            infos[ci][i] = {"failure": "error", "message": str((info or {}).get("error"))}
+          else:
+            scores[ci, i] = s
+            infos[ci][i] = info
+        if lost:
+          counts["errors"] += len(lost)
+          msg = f"[{spec.components[ci].name}] error on {len(lost)} item(s): {infos[ci][lost[0]]['message']}"
+          if len(errors) < _MAX_BATCH_ERRORS:
+            errors.append(msg)
+          if self._logged < spec.max_logged_errors:
+            self._logged += 1
+            log.warning("reward verifier failure (item %d): %s", lost[0], msg)
         return
       fb = spec.components[ci].fallback
       fb = spec.fallback if fb is None else fb
@@ -326,6 +355,23 @@ class RewardPool:
         self._next_tid += 1
         (local if (r.verifier.inline or not self._remote_needed) else tasks).append(t)
 
+    for k, c in enumerate(spec.components):
+      if c.in_graph and c.name in (graph_scores or {}):
+        mine = routing.route_rows(labels, routing.coverage(c), c.name)
+        applies[k] = mine
+        values = graph_scores[c.name]
+        bad = mine & ~(np.isfinite(values) & (np.abs(values) <= FLOAT32_MAX))
+        scores[k] = np.where(mine & ~bad, values, 0.0)
+        if bad.any():
+          fb = spec.fallback if c.fallback is None else c.fallback
+          scores[k, bad] = fb
+          failed[k] = bad
+          counts["errors"] += int(bad.sum())
+          msg = f"[{c.name}] error: the model's score is not finite on {int(bad.sum())} item(s)"
+          if len(errors) < _MAX_BATCH_ERRORS:
+            errors.append(msg)
+          for i in np.nonzero(bad)[0]:
+            infos[k][i] = {"failure": "error", "message": msg}
     for t in local:
       self._run_local(t, completions, examples, tokens, step, record, note)
     if tasks:
@@ -384,6 +430,8 @@ def _bad_results(results: Any, n: int) -> str | None:
   if not isinstance(results, list) or len(results) != n:
     return f"malformed reply: expected {n} results"
   for r in results:
+    if isinstance(r, tuple) and len(r) == 2 and r[0] is None and isinstance(r[1], dict):
+      continue   # an ItemFailure
     if not (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], float) and
             (r[1] is None or isinstance(r[1], dict))):
       return "malformed reply: expected (score, info) pairs"

@@ -57,7 +57,7 @@ def routes(spec) -> list[Route]:
   """The routes of every component of `spec` (validated), in component order."""
   out: list[Route] = []
   for k, c in enumerate(spec.components):
-    if getattr(c, "in_graph", False):   # a reward model or judge: scored in the compiled step
+    if c.in_graph:   # a reward model or judge: scored in the compiled step
       continue
     cover = coverage(c)
     if c.verifier != BY_SOURCE:
@@ -165,7 +165,7 @@ def check_sources_scored(spec) -> None:
     if ref != NO_VERIFIER:
       _resolve(ref, f"{where_source(sv, label)}.verifier")
   fixed = [(k, c) for k, c in enumerate(spec.components)
-           if not getattr(c, "in_graph", False) and c.verifier != BY_SOURCE]
+           if not c.in_graph and c.verifier != BY_SOURCE]
   for label, ref in sv.items():
     if ref == NO_VERIFIER:
       continue
@@ -174,7 +174,7 @@ def check_sources_scored(spec) -> None:
       cover = coverage(c)
       if cover is not None and label not in cover:
         continue
-      if c.verifier == BY_SOURCE or (not getattr(c, "in_graph", False) and _same_verifier(c.verifier, ref)):
+      if c.verifier == BY_SOURCE or (not c.in_graph and _same_verifier(c.verifier, ref)):
         used = True
     if not used:
       i = source_index(sv, label)

@@ -20,7 +20,7 @@ import math
 from typing import Any, Callable, Mapping, Sequence
 
 from rljax.errors import ConfigError
-from rljax.rewards import routing
+from rljax.rewards import graph, routing
 
 WeightLike = float | int | Mapping[str, Any] | Callable[[int], float]
 SANDBOX_DEFAULTS = {"require_isolation": False}
@@ -105,15 +105,29 @@ class ComponentSpec:
       (default: the first component that scores the row's source).
     sources: the data source labels whose rows this component scores (None: every source);
       other rows are not applicable to it (rljax/rewards/routing.py).
+    model: the path of a Hugging Face *ForSequenceClassification checkpoint: a reward model
+      scored in the compiled step (rljax/rewards/graph.py); instead of `verifier`.
+    judge: the path of a causal LM checkpoint: a generative judge scored in the compiled step
+      (its probability of the `yes` tokens after `template`); instead of `verifier`.
+    template: a judge's question (a format string with {completion}, and {prompt}, {answer} or
+      other example fields), or a reward model's user message (default: the example's messages).
   """
   name: str
-  verifier: Any
+  verifier: Any = None
   weight: WeightLike = 1.0
   gate: str | None = None
   kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   fallback: float | None = None
   accuracy: bool = False
   sources: list[str] | None = None
+  model: str | None = None
+  judge: str | None = None
+  template: str | None = None
+
+  @property
+  def in_graph(self) -> bool:
+    """Scored in the compiled step (a reward model or a judge), not by the verifier pool."""
+    return self.model is not None or self.judge is not None
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any], index: int = 0) -> ComponentSpec:
@@ -124,9 +138,11 @@ class ComponentSpec:
     unknown = set(d) - known
     if unknown:
       raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known fields are {sorted(known)}.")
-    for key in ("name", "verifier"):
-      if key not in d:
-        raise ConfigError(f"{where} is missing '{key}'.")
+    if "name" not in d:
+      raise ConfigError(f"{where} is missing 'name'.")
+    if all(d.get(key) is None for key in ("verifier", "model", "judge")):
+      raise ConfigError(f"{where} is missing 'verifier' (or 'model': a reward model, or 'judge': a generative "
+                        "judge).")
     d = dict(d)
     d["kwargs"] = dict(d.get("kwargs") or {})
     if isinstance(d.get("sources"), (tuple, list)):
@@ -202,6 +218,11 @@ class RewardSpec:
   def component_names(self) -> list[str]:
     return [c.name for c in self.components]
 
+  @property
+  def graph_components(self) -> list[ComponentSpec]:
+    """The components scored in the compiled step (reward models and judges), in spec order."""
+    return [c for c in self.components if c.in_graph]
+
   def accuracy_index(self) -> int:
     flagged = [i for i, c in enumerate(self.components) if c.accuracy]
     return flagged[0] if flagged else 0
@@ -253,6 +274,11 @@ class RewardSpec:
         raise ConfigError(f"{where}.fallback must be a number or None, got {c.fallback!r}.")
       if not isinstance(c.kwargs, Mapping):
         raise ConfigError(f"{where}.kwargs must be a dict, got {type(c.kwargs).__name__}.")
+      if c.in_graph:
+        graph.check_component(c, f"{where} ('{c.name}')")
+      elif c.template is not None:
+        raise ConfigError(f"{where} ('{c.name}').template is for reward models and judges (model= or judge=); a "
+                          "verifier takes its options in kwargs.")
     self.gate_order()
     if sum(bool(c.accuracy) for c in self.components) > 1:
       raise ConfigError("rewards.components: more than one component has accuracy=True; flag at most one.")
