@@ -64,6 +64,7 @@ def _components(kind: str, models: str, url: str) -> list[dict]:
 
 def run(kind: str, models: str, url: str, steps: int, out_dir: str) -> dict:
   import jax
+
   from rljax.config import apply_overrides, load_config_file
   from rljax.trainer.loop import Trainer
   cfg = load_config_file(os.path.join(ROOT, "rljax", "configs", "smoke.py"))
@@ -93,8 +94,9 @@ def main(argv=None) -> int:
   p.add_argument("--latency-ms", type=float, default=20.0, help="the remote judge server's latency per request")
   p.add_argument("--json", default=None, help="write the results here too")
   args = p.parse_args(argv)
-  from rljax.tokenizer import load_tokenizer
   from test_reward_models import save_tiny
+
+  from rljax.tokenizer import load_tokenizer
   tok = load_tokenizer("smollm2-135m-instruct")
   server = _Judge(("127.0.0.1", 0), _Handler)
   server.latency = args.latency_ms / 1000

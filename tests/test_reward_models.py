@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-
 from models_testlib import hf_config
+
 from rljax import sharding as shd
 from rljax.errors import ConfigError
 from rljax.rewards import RewardSpec
@@ -193,5 +193,6 @@ def test_refusals_name_the_field(tmp_path, tokenizer):
       os.symlink(tmp_path / "lm" / f, other / f)
   spec = RewardSpec.from_dict({"components": [{"name": "j", "judge": str(other), "template": TEMPLATE,
                                                "kwargs": {"yes": ["yes"]}}], "num_workers": 0})
-  with pytest.raises(ConfigError, match=r"does not share the policy's vocabulary \(2 of the policy's .* 'remote_judge'"):
+  with pytest.raises(ConfigError, match=r"does not share the policy's vocabulary \(2 of the policy's .* "
+                                        r"'remote_judge'"):
     GraphScorer(spec, tokenizer, mesh)

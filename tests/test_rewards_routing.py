@@ -186,7 +186,8 @@ def test_cli_two_source_mixture_routes_and_refuses_the_unrouted_config(tmp_path,
   sources = (f"--config.data.sources=[{{'kind': 'arithmetic', 'label': 'easy', 'verifier': '{m}:easy'}}, "
              f"{{'kind': 'arithmetic', 'label': 'hard', 'difficulty': 2, 'verifier': '{m}:hard'}}]")
   # Unrouted: one fixed verifier for both sources is refused before anything is built.
-  rc, err = _cli(capsys, tmp_path, sources, f"--config.rewards.components=[{{'name': 'correct', 'verifier': '{m}:easy'}}]")
+  fixed = f"--config.rewards.components=[{{'name': 'correct', 'verifier': '{m}:easy'}}]"
+  rc, err = _cli(capsys, tmp_path, sources, fixed)
   assert rc == 1 and "Traceback" not in err
   assert "data.sources[1].verifier='route_verifiers:hard' (source 'hard') is not used by any reward component" in err
   assert "'verifier': 'by_source'" in err and "'sources': ['hard']" in err

@@ -18,6 +18,7 @@ import ml_collections
 from rljax.data.config import SOURCE_KINDS
 from rljax.models.config import ARCHITECTURES, ATTENTION_IMPLS
 from rljax.rl.config import PRESETS, LossConfig
+from rljax.trainer import modes
 from rljax.trainer.optim import SCHEDULES
 
 
@@ -186,7 +187,7 @@ SCHEMA = Section(
     ),
     rollout=Section(
         "How generation, scoring and updates are scheduled (docs/rollouts.md).",
-        mode=Field("fused", "fused | pipelined | async | partial"),
+        mode=Field("fused", " | ".join(modes.MODES) + " (docs/rollouts.md)"),
         max_staleness=Field(-1, "policy versions a sample may lag; -1 = the mode's default (1)"),
         proximal=Field("recompute", "off-policy lp_old: recompute (decoupled PPO) | sampler (PPO on behaviour)"),
         generator_devices=Field(0, "async: devices of the generator part of the mesh (0 = half)"),

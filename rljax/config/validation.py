@@ -2,7 +2,8 @@
 
 Every check raises ConfigError naming the field (`config.train.steps=...`) and the fix. The
 lists of allowed values come from their owners (attention backends from rljax.models.config,
-tool formats from rljax.tools, schedules from rljax.trainer.optim).
+tool formats from rljax.tools, schedules from rljax.trainer.optim, rollout modes and what each
+supports from the registry rljax.trainer.modes).
 """
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from rljax.config.schema import base_config
 from rljax.data.config import eval_reads_training_data
 from rljax.errors import ConfigError
 from rljax.models.config import ATTENTION_IMPLS
+from rljax.rewards.routing import source_verifiers_from_data
+from rljax.rewards.spec import RewardSpec
 from rljax.tools.parsing import FORMATS as TOOL_FORMATS
+from rljax.trainer import modes
 from rljax.trainer.optim import SCHEDULES
 
-ROLLOUT_MODES = ("fused", "pipelined", "async", "partial")
+ROLLOUT_MODES = tuple(modes.MODES)
 PROXIMAL = ("recompute", "sampler")   # the off-policy modes' lp_old (docs/rollouts.md)
-ASYNC_ONLY = ("generator_devices", "sync_every", "queue_size")   # rollout fields only the async mode reads
-PARTIAL_ONLY = ("oversample",)                                    # rollout fields only the partial mode reads
 # The compute dtypes a run trains in (ModelConfig also takes float16, for inference).
 MODEL_DTYPES = ("float32", "bfloat16")
 
@@ -122,32 +124,40 @@ def _validate_eval_data(c: ml_collections.ConfigDict) -> None:
         "set eval.allow_training_data=True to evaluate on training data on purpose.")
 
 
+def _names(names) -> str:
+  return " or ".join(repr(n) for n in names)
+
+
 def _validate_rollout(c: ml_collections.ConfigDict) -> None:
+  """config.rollout against what its mode declares it supports (rljax/trainer/modes.py)."""
   r = c.rollout
-  if r.mode not in ROLLOUT_MODES:
-    raise ConfigError(f"config.rollout.mode={r.mode!r} is not one of {ROLLOUT_MODES}.")
+  mode = modes.get(r.mode)
+  off_policy = [m.name for m in modes.MODES.values() if not m.on_policy_only]
   if not isinstance(r.max_staleness, int) or r.max_staleness < -1:
     raise ConfigError(f"config.rollout.max_staleness={r.max_staleness!r} must be an integer >= 0 "
                       "(or -1 for the mode's default).")
-  if r.mode == "fused" and r.max_staleness not in (-1, 0):
-    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness} has no effect in rollout.mode='fused' "
-                      "(always on-policy): set rollout.mode='pipelined' or 'async', or leave max_staleness=-1.")
+  if mode.on_policy_only and r.max_staleness not in (-1, 0):
+    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness} has no effect in rollout.mode={mode.name!r} "
+                      f"(always on-policy): set rollout.mode={_names(off_policy)}, or leave max_staleness=-1.")
   if r.proximal not in PROXIMAL:
     raise ConfigError(f"config.rollout.proximal={r.proximal!r} is not one of {PROXIMAL}.")
-  if r.mode == "fused" and r.proximal != "recompute" and c.model.dtype == "float32":
-    raise ConfigError(f"config.rollout.proximal={r.proximal!r} has no effect in rollout.mode='fused' with "
-                      "model.dtype='float32' (lp_old is the sampler's there): set rollout.mode='pipelined' or "
-                      "'async', or leave it. (In bfloat16 the fused mode recomputes lp_old; 'sampler' turns that off.)")
-  if r.mode == "pipelined" and r.max_staleness > 1:
-    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness}: the pipelined mode runs at most one "
-                      "step off-policy (0 or 1); use rollout.mode='async' for more.")
+  if mode.on_policy_only and r.proximal != "recompute" and c.model.dtype == "float32":
+    raise ConfigError(f"config.rollout.proximal={r.proximal!r} has no effect in rollout.mode={mode.name!r} with "
+                      f"model.dtype='float32' (lp_old is the sampler's there): set rollout.mode={_names(off_policy)}, "
+                      f"or leave it. (In bfloat16 the {mode.name} mode recomputes lp_old; 'sampler' turns that off.)")
+  if mode.max_staleness is not None and r.max_staleness > mode.max_staleness:
+    further = [m.name for m in modes.MODES.values() if m.max_staleness is None]
+    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness}: the {mode.name} mode runs at most "
+                      f"{'one step' if mode.max_staleness == 1 else f'{mode.max_staleness} steps'} off-policy "
+                      f"(0 to {mode.max_staleness}); use rollout.mode={_names(further)} for more.")
+  # A field that only other modes read must stay at its default: set, it would be ignored.
   defaults = base_config().rollout
-  if r.mode != "partial":
-    for name in PARTIAL_ONLY:
-      if r[name] != defaults[name]:
-        raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode='partial' "
-                          f"(got {r.mode!r}): set rollout.mode='partial' or leave it at {defaults[name]}.")
-  else:
+  for other in modes.MODES.values():
+    for name in other.own_fields:
+      if name not in mode.own_fields and r[name] != defaults[name]:
+        raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode={other.name!r} "
+                          f"(got {r.mode!r}): set rollout.mode={other.name!r} or leave it at {defaults[name]}.")
+  if mode.name == "partial":
     _positive(c, "rollout.oversample", r.oversample)
     if r.oversample < 2:
       raise ConfigError(f"config.rollout.oversample={r.oversample}: the partial mode generates more groups than it "
@@ -158,20 +168,15 @@ def _validate_rollout(c: ml_collections.ConfigDict) -> None:
     if c.sampling.ignore_eos:
       raise ConfigError("config.sampling.ignore_eos with rollout.mode='partial': every completion would run to "
                         "max_new_tokens, so there is nothing to carry over; set ignore_eos=False.")
-  if r.mode != "async":
-    for name in ASYNC_ONLY:
-      if r[name] != defaults[name]:
-        raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode='async' "
-                          f"(got {r.mode!r}): set rollout.mode='async' or leave it at {defaults[name]}.")
-    return
-  _positive(c, "rollout.sync_every", r.sync_every)
-  _positive(c, "rollout.queue_size", r.queue_size)
-  _positive(c, "rollout.generator_devices", r.generator_devices, allow_zero=True)
-  if r.sync_every > max_staleness(c) + 1:
-    raise ConfigError(
-        f"config.rollout.sync_every={r.sync_every} with max_staleness={max_staleness(c)} would stall: a "
-        "generator waits for parameters no older than max_staleness versions, which arrive every sync_every "
-        "updates. Set sync_every <= max_staleness + 1.")
+  if mode.splits_devices:
+    _positive(c, "rollout.sync_every", r.sync_every)
+    _positive(c, "rollout.queue_size", r.queue_size)
+    _positive(c, "rollout.generator_devices", r.generator_devices, allow_zero=True)
+    if r.sync_every > max_staleness(c) + 1:
+      raise ConfigError(
+          f"config.rollout.sync_every={r.sync_every} with max_staleness={max_staleness(c)} would stall: a "
+          "generator waits for parameters no older than max_staleness versions, which arrive every sync_every "
+          "updates. Set sync_every <= max_staleness + 1.")
 
 
 def _validate_tools(c: ml_collections.ConfigDict) -> None:
@@ -193,10 +198,11 @@ def _validate_tools(c: ml_collections.ConfigDict) -> None:
   _positive(c, "tools.num_workers", tl.num_workers, allow_zero=True)
   if not tl.timeout_s > 0:
     raise ConfigError(f"config.tools.timeout_s={tl.timeout_s!r} must be > 0.")
-  if c.rollout.mode != "pipelined":
+  if not modes.get(c.rollout.mode).tools:
+    able = [m.name for m in modes.MODES.values() if m.tools]
     raise ConfigError(f"config.tools.enabled with rollout.mode={c.rollout.mode!r}: multi-turn rollouts alternate "
-                      "compiled decode segments with host tool calls, so they run as the pipelined mode's producer; "
-                      "set rollout.mode='pipelined' (with rollout.max_staleness=0 for on-policy updates).")
+                      "compiled decode segments with host tool calls, which that mode's runner does not do; "
+                      f"set rollout.mode={_names(able)} (with rollout.max_staleness=0 for on-policy updates).")
   if c.sampling.ignore_eos:
     raise ConfigError("config.tools.enabled with sampling.ignore_eos=True: a trajectory must be able to end; "
                       "set sampling.ignore_eos=False.")
@@ -293,8 +299,6 @@ def _validate_rewards(c: ml_collections.ConfigDict) -> None:
   kwargs and signatures, time limits, and its routing against data.sources[i].verifier (every
   source's verifier scores its rows, no fixed verifier scores another source's rows; see
   rljax/rewards/routing.py); no worker is started."""
-  from rljax.rewards.routing import source_verifiers_from_data   # noqa: PLC0415 - keeps `import rljax.config` light
-  from rljax.rewards.spec import RewardSpec   # noqa: PLC0415
   try:
     RewardSpec.from_dict(c.rewards.to_dict(), source_verifiers=source_verifiers_from_data(c.data))
   except ConfigError as e:

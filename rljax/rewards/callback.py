@@ -49,7 +49,7 @@ DEFAULT_GATHER_TIMEOUT_S = 30.0
 
 def local_indices(sharding, shape) -> np.ndarray:
   """The global indices along dim 0 that this process's devices hold (`rljax.sharding.local_indices`)."""
-  from rljax.sharding import local_indices as impl   # jax is imported lazily: verifier workers import this module
+  from rljax.sharding import local_indices as impl  # jax is imported lazily: verifier workers import this module
   return impl(sharding, shape)
 
 
@@ -235,6 +235,7 @@ class RewardFn:
     """[N, K_graph] host scores of device rows tokens [N, T], lengths [N] by the reward models and
     judges, in one compiled program on the graph's mesh (the decoupled modes' path)."""
     import jax
+
     from rljax import sharding as shd
     if self._graph_jit is None:
       def run(inputs, tokens, lengths):
@@ -346,6 +347,7 @@ class RewardFn:
       return io_callback(lambda *a: self._whole_fn(n, width, *a), shapes, *_pieces(tokens), lengths, *extra, rows,
                          ordered=False)
     from jax.sharding import NamedSharding, PartitionSpec as P
+
     from rljax import sharding as shd
     g = max(self.group_size, 1)
     # Rows are sharded over the mesh axes that shard the prompts, so each shard is whole groups.
@@ -403,8 +405,9 @@ class RewardFn:
 
     reward/mean, /std, /min, /max are exact over all rows; counts (verifier/timeouts, ...)
     are summed; verifier/seconds is the slowest process's; other means are weighted by the rows
-    each process's figure is over (a component's scored rows, a source's rows, else all). Adds verifier/items (rows scored, all processes) and
-    verifier/scoring_processes (processes that scored at least one row).
+    each process's figure is over (a component's scored rows, a source's rows, else all). Adds
+    verifier/items (rows scored, all processes) and verifier/scoring_processes (processes that
+    scored at least one row).
     """
     import jax
     with self._lock:

@@ -227,6 +227,7 @@ def component_scores(gc: GraphComponent, params, ids, mask, last):
   """[N] float32 scores of one in-graph component on assembled rows (ids, mask [N, W], last [N])."""
   import jax
   import jax.numpy as jnp
+
   from rljax.models.policy import apply_model, output_kernel
   from rljax.models.transformer import positions_from_mask
   hidden, _ = apply_model(gc.config, params["model"], ids, positions_from_mask(mask), mask, return_hidden=True)

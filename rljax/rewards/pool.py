@@ -54,9 +54,9 @@ from rljax.errors import ConfigError
 from rljax.rewards import routing, sandbox, wire
 from rljax.rewards.base import FLOAT32_MAX, Verifier
 from rljax.rewards.compose import RewardBatch, accuracy_components, batch_metrics, combine
-from rljax.rewards.spec import RewardSpec
 from rljax.rewards.processes import Zygote as _Zygote, ZygoteLost as _ZygoteLost
 from rljax.rewards.schedule import RemoteRun, Task, Worker
+from rljax.rewards.spec import RewardSpec
 from rljax.rewards.worker import call_verifier, describe_exception
 
 log = logging.getLogger("rljax.rewards")

@@ -51,9 +51,10 @@ def load_reward_model(path: str, mesh, dtype: str, where: str):
   directory: the backbone as rljax loads a causal LM (sharded by `param_shardings` on `mesh`, each
   process reading its slices) without an output projection, and the `score` head replicated."""
   import jax
+
   from rljax.models.config import ModelConfig
-  from rljax.models.io import CONFIG_FILE, _check_shapes, _place_slices, _read_json, _SafetensorsCheckpoint
   from rljax.models.convert import hf_to_params
+  from rljax.models.io import CONFIG_FILE, _check_shapes, _place_slices, _read_json, _SafetensorsCheckpoint
   from rljax.models.policy import param_shardings
   if not graph.is_checkpoint_dir(path):
     raise ConfigError(f"{where}.model={path!r}: not a Hugging Face checkpoint directory (no {CONFIG_FILE}).")
@@ -172,6 +173,7 @@ class GraphScorer:
     process gives its own rows; widths agree over processes).
     """
     import jax
+
     from rljax import sharding as shd
     local = self.prompt_arrays(examples)
     if self.mesh is None:

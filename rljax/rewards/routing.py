@@ -206,5 +206,5 @@ def check_sources_scored(spec) -> None:
 
 def source_verifiers_from_data(data_cfg: Any) -> dict[str, str]:
   """{label: verifier} of a data config's sources, in order (rljax.data.config.normalize_config)."""
-  from rljax.data.config import normalize_config   # noqa: PLC0415 - the data package is heavier than this module
+  from rljax.data.config import normalize_config  # noqa: PLC0415 - the data package is heavier than this module
   return {s["label"]: s["verifier"] for s in normalize_config(data_cfg)["sources"]}

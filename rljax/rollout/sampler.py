@@ -51,10 +51,10 @@ from rljax import sharding as shd
 from rljax.errors import ConfigError
 from rljax.models.cache import DecodeCache, PrefixCache
 from rljax.models.config import ModelConfig
-from rljax.models.policy import init_params, param_logical_axes
+from rljax.models.policy import param_logical_axes
 from rljax.rollout.decode import CachedModel, DecodeState, choose, pad_token_id
 from rljax.rollout.draw import SamplingParams
-from rljax.rollout.types import Rollout, RolloutInfo, by_rows
+from rljax.rollout.types import Rollout, RolloutInfo
 
 # The completion cache grows in up to this many stages of at least _MIN_STAGE tokens each.
 _STAGES = 4
@@ -264,17 +264,14 @@ def decode_params(model: ModelConfig, params, mesh, budget_bytes: int | None = N
 
 class SamplerProducer:
   """The single-turn sampler as a producer (`rljax.rollout.types.Producer`): one jitted program,
-  prompts drawn onto `mesh` by rows, every rollout array split by rows there."""
+  prompts drawn onto `mesh` by rows."""
 
-  def __init__(self, spec, mesh: jax.sharding.Mesh, prompts: int):
-    """spec: the StepSpec; prompts: P*O, the prompts of one call (all processes)."""
+  def __init__(self, generate, mesh: jax.sharding.Mesh, prompts: int):
+    """generate: the jitted `make_generate_fn` program, every rollout array split by rows on `mesh`
+    (the trainer's is rljax/trainer/setup.py `generate_program`, which `rljax plan` compiles);
+    prompts: P*O, the prompts of one call (all processes)."""
     self.sharding = shd.batch_sharding(mesh, 2, prompts)
-    generate = make_generate_fn(spec, mesh)
-    # Unconstrained, XLA may leave the rollout (and the work producing it) on one device.
-    shapes = jax.eval_shape(generate, jax.eval_shape(lambda: init_params(spec.model, jax.random.key(0))),
-                            jax.random.key(0), jax.ShapeDtypeStruct((prompts, 1), np.int32),
-                            jax.ShapeDtypeStruct((prompts, 1), bool))   # any prompt width: the same ranks
-    self._generate = jax.jit(generate, out_shardings=by_rows(mesh, shapes))
+    self._generate = generate
 
   def __call__(self, params, key, prompts) -> tuple[Rollout, RolloutInfo]:
     """Returns as soon as the generation is dispatched (the arrays are not waited for)."""

@@ -261,7 +261,8 @@ def _check(base_url: str = "", model: str = "", template: str = "", api_key_env:
     raise ValueError(f"endpoint={endpoint!r} is not one of {ENDPOINTS}")
   if batch_size > 1 and endpoint != "completions":
     raise ValueError("batch_size > 1 needs endpoint='completions' (chat requests hold one conversation each)")
-  for name, value in (("batch_size", batch_size), ("max_concurrency", max_concurrency), ("max_retries", max_retries + 1)):
+  for name, value in (("batch_size", batch_size), ("max_concurrency", max_concurrency),
+                      ("max_retries", max_retries + 1)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name} must be a positive integer, got {value!r}")
   if not 0 < timeout_s <= total_timeout_s:
