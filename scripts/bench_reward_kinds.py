@@ -6,9 +6,12 @@ mesh, and a remote judge over HTTP (docs/rewards.md, "Choosing a reward").
 The smoke recipe's policy (a tiny random Qwen-shaped model, 8 prompts x G=8, 8 new tokens) trains
 in the fused mode with, in turn: the vowel verifier alone; plus a reward model of the policy's own
 size; plus a judge of that size; plus a remote judge behind a local OpenAI-compatible server that
-answers after `--latency-ms`. Each run compiles and warms up on 2 steps, then the median of
-`--steps` steps is reported, with the models' parameter bytes. Step times of models this small are
-mostly fixed costs (dispatch, the callback); docs/rewards.md scales the figures by FLOPs.
+answers after `--latency-ms`. Each trainer compiles and warms up on 2 steps; then they take
+`--steps` steps in turn (round robin, so that the machine's load touches every kind alike) and the
+median step and phase times are reported, with the models' parameter bytes (fused mode: the
+"sample" phase includes the reward models' and judges' forward, "score" is the reward callback).
+Step times of models this small are mostly fixed costs (dispatch, the callback); docs/rewards.md
+scales the figures by FLOPs.
 """
 from __future__ import annotations
 
@@ -62,9 +65,8 @@ def _components(kind: str, models: str, url: str) -> list[dict]:
   return comps
 
 
-def run(kind: str, models: str, url: str, steps: int, out_dir: str) -> dict:
-  import jax
-
+def build(kind: str, models: str, url: str, steps: int, out_dir: str):
+  """A Trainer of the smoke recipe with `kind`'s components, warmed up (compiled) on 2 steps."""
   from rljax.config import apply_overrides, load_config_file
   from rljax.trainer.loop import Trainer
   cfg = load_config_file(os.path.join(ROOT, "rljax", "configs", "smoke.py"))
@@ -72,20 +74,32 @@ def run(kind: str, models: str, url: str, steps: int, out_dir: str) -> dict:
                         "output.progress=False", "checkpoint.every=0"])
   cfg.rewards.components = _components(kind, models, url)
   trainer = Trainer(cfg)
-  try:
-    times = []
-    for i in range(steps + 2):
+  for _ in range(2):
+    trainer.run_step()
+  return trainer
+
+
+def measure(trainers: dict, steps: int) -> list[dict]:
+  """Median step and phase times of each trainer, their steps taken in turn (round robin), so that
+  a change of the machine's load touches every kind alike."""
+  import jax
+  times = {k: [] for k in trainers}
+  for _ in range(steps):
+    for kind, trainer in trainers.items():
       t = time.perf_counter()
       m = trainer.run_step()
-      if i >= 2:
-        times.append(time.perf_counter() - t)
+      times[kind].append({"step_s": time.perf_counter() - t, **{k: m[k] for k in ("time/sample", "time/score",
+                                                                                  "time/update") if k in m}})
+  out = []
+  for kind, trainer in trainers.items():
     graph = trainer.scorer.reward_fn.graph
     model_bytes = 0 if graph is None else sum(x.nbytes for x in jax.tree.leaves(graph.params))
-    policy_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.state.params))
-    return {"kind": kind, "step_s": statistics.median(times), "policy_param_bytes": policy_bytes,
-            "reward_model_param_bytes": model_bytes, "reward/mean": m.get("reward/mean")}
-  finally:
-    trainer.close()
+    row = {"kind": kind, "model_param_bytes": model_bytes,
+           "policy_param_bytes": sum(x.nbytes for x in jax.tree.leaves(trainer.state.params))}
+    for key in times[kind][0]:
+      row[key] = statistics.median(t[key] for t in times[kind])
+    out.append(row)
+  return out
 
 
 def main(argv=None) -> int:
@@ -102,17 +116,24 @@ def main(argv=None) -> int:
   server.latency = args.latency_ms / 1000
   threading.Thread(target=server.serve_forever, daemon=True).start()
   url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+  kinds = ("verifier", "reward_model", "judge", "remote_judge")
   with tempfile.TemporaryDirectory() as tmp:
     save_tiny(os.path.join(tmp, "rm"), "qwen2", "model", tok, seed=1)
     save_tiny(os.path.join(tmp, "judge"), "qwen2", "judge", tok, seed=2)
-    results = [run(kind, tmp, url, args.steps, tmp) for kind in ("verifier", "reward_model", "judge", "remote_judge")]
+    trainers = {kind: build(kind, tmp, url, args.steps, tmp) for kind in kinds}
+    try:
+      results = measure(trainers, args.steps)
+    finally:
+      for trainer in trainers.values():
+        trainer.close()
   server.shutdown()
   base = results[0]["step_s"]
   for r in results:
     r["vs_verifier"] = r["step_s"] / base
-    print(f"{r['kind']:>13}: {r['step_s'] * 1000:7.1f} ms/step ({r['vs_verifier']:.2f}x the verifier alone), "
-          f"reward-model parameters {r['reward_model_param_bytes'] / 2**20:.1f} MiB "
-          f"(policy {r['policy_param_bytes'] / 2**20:.1f} MiB)")
+    print(f"{r['kind']:>13}: {r['step_s'] * 1000:7.1f} ms/step ({r['vs_verifier']:.2f}x the verifier alone; "
+          f"sample+models {r.get('time/sample', 0) * 1000:.0f} ms, score {r.get('time/score', 0) * 1000:.0f} ms, "
+          f"update {r.get('time/update', 0) * 1000:.0f} ms), model parameters {r['model_param_bytes'] / 2**20:.1f} "
+          f"MiB (policy {r['policy_param_bytes'] / 2**20:.1f} MiB)")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=2)
