@@ -16,7 +16,8 @@ from typing import Any, Mapping
 import ml_collections
 
 from rljax.data.config import SOURCE_KINDS
-from rljax.models.config import ARCHITECTURES, ATTENTION_IMPLS
+from rljax.models import families
+from rljax.models.config import ATTENTION_IMPLS
 from rljax.rl.config import PRESETS, LossConfig
 from rljax.trainer import modes
 from rljax.trainer.optim import SCHEDULES
@@ -104,7 +105,7 @@ SCHEMA = Section(
             num_heads=Field(4, "query heads"),
             num_kv_heads=Field(2, "key/value heads (grouped-query attention when fewer than num_heads)"),
             head_dim=Field(16, "dimension of each attention head"),
-            architecture=Field("llama", "model family: " + " | ".join(ARCHITECTURES)),
+            architecture=Field("llama", "model family: " + " | ".join(families.names())),
             tie_word_embeddings=Field(True, "the output projection is the embedding matrix"),
             seed=Field(0, "seed of the random initialisation"),
         ),

@@ -105,17 +105,17 @@ class SampleOutput:
 
 def check_lengths(config: ModelConfig, sp: SamplingParams, prompt_len: int) -> None:
   """Static checks of a prompt width against the model's context; ConfigError naming the fix."""
-  ctx = config.max_position_embeddings
+  ctx = config.context_length
   if prompt_len < 1:
     raise ConfigError("prompt_ids has width 0: every prompt needs at least one token "
                       "(for example a BOS token or a chat template).")
   if prompt_len > ctx:
     raise ConfigError(f"prompt_ids has {prompt_len} tokens per row, longer than the model's context "
-                      f"(model.max_position_embeddings={ctx}); truncate the prompts "
+                      f"(model.context_length={ctx}); truncate the prompts "
                       "(data.max_prompt_tokens).")
   if prompt_len + sp.max_new_tokens > ctx:
     raise ConfigError(f"prompt width {prompt_len} + SamplingParams.max_new_tokens={sp.max_new_tokens} exceeds "
-                      f"the model's context (model.max_position_embeddings={ctx}); lower max_new_tokens "
+                      f"the model's context (model.context_length={ctx}); lower max_new_tokens "
                       "or the prompt length.")
 
 

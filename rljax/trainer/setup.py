@@ -200,7 +200,7 @@ def build(config: ml_collections.ConfigDict, model: ModelConfig, tokenizer: Toke
   """The Setup of a validated config for `model` (its run settings applied), with the stop ids of
   `tokenizer` (or the ids themselves where there is no tokenizer). Raises ConfigError when prompt +
   completion exceed the model's context, or the prompts would lack a BOS the model needs."""
-  config_lib.check_model_fits(config, model.max_position_embeddings)
+  config_lib.check_model_fits(config, model.context_length)   # with YaRN the scaled context
   if config.model.path != "random" and isinstance(tokenizer, Tokenizer):
     check_bos(model.architecture, tokenizer, config.data.chat_template)   # pretrained Gemma: <bos> first
   t = config.train

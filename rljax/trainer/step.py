@@ -33,6 +33,7 @@ from rljax.models.config import ModelConfig
 from rljax.models.policy import apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
 from rljax.rl import LossConfig, chunked_logprobs, compute_advantages, kl_penalty, make_denominators, policy_loss
+from rljax.rl.metrics import Metrics
 from rljax.rollout.draw import SamplingParams
 from rljax.rollout.sampler import make_generate_fn
 from rljax.rollout.types import Rollout
@@ -82,6 +83,21 @@ class TrainBatch:
   lp_ref: Any = None
 
 
+def sequence_forward(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None):
+  """`sequence_logprobs` and the model's auxiliary losses of the same forward: (lp, ent, aux_losses),
+  aux_losses the `ModelOutput.aux_losses` dict (empty for dense models)."""
+  lp_len = prompt_ids.shape[1]
+  seq = jnp.concatenate([prompt_ids, tokens], axis=1)
+  seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
+  out = apply_model(spec.model, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True,
+                    dropout_rng=dropout_rng)
+  hidden = jax.lax.dynamic_slice_in_dim(out.hidden, lp_len - 1, tokens.shape[1], axis=1)
+  lp, ent = chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
+                             temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
+                             softcap=spec.model.final_logit_softcap)
+  return lp, ent, out.aux_losses
+
+
 def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None):
   """Teacher-forced log-probs and entropies of the completion tokens.
 
@@ -90,15 +106,25 @@ def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, m
   under logits / temperature, without materialising [B, T, V] (chunked over the vocabulary).
   dropout_rng: the LoRA dropout key of a training forward (None: no dropout).
   """
-  lp_len = prompt_ids.shape[1]
-  seq = jnp.concatenate([prompt_ids, tokens], axis=1)
-  seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
-  hidden, _ = apply_model(spec.model, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True,
-                          dropout_rng=dropout_rng)
-  hidden = jax.lax.dynamic_slice_in_dim(hidden, lp_len - 1, tokens.shape[1], axis=1)
-  return chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
-                          temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
-                          softcap=spec.model.final_logit_softcap)
+  lp, ent, _ = sequence_forward(spec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng)
+  return lp, ent
+
+
+def add_aux_losses(loss, metrics: Metrics, aux_losses: dict, share):
+  """The model's auxiliary losses added to the policy loss: loss + share * sum(aux_losses), each
+  also reported as metric `aux_<name>` (reduced by "sum" and share-weighted, so the micro-batches
+  or packed blocks of an update sum to its token-weighted mean). share: [] this forward's fraction
+  of the update's real tokens. Dense models have none: loss and metrics come back unchanged."""
+  if not aux_losses:
+    return loss, metrics
+  metrics = metrics.with_values(**{f"aux_{name}": jax.lax.stop_gradient(share * value)
+                                   for name, value in aux_losses.items()})
+  return loss + share * sum(aux_losses.values()), metrics
+
+
+def _real_tokens(prompt_mask, mask):
+  """[] float32: the real tokens a forward over prompts and completions sees."""
+  return (jnp.sum(prompt_mask) + jnp.sum(mask)).astype(jnp.float32)
 
 
 def split_groups(x: jax.Array, parts: int, group: int) -> jax.Array:
@@ -158,24 +184,27 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
   def logprobs(params, b, dropout_rng=None):
     return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask, dropout_rng)
 
-  def loss_fn(trainable, frozen, mb: TrainBatch, den, key):
+  def loss_fn(trainable, frozen, mb: TrainBatch, den, key, total_tokens):
     # Under LoRA `trainable` is the adapters and the gradient is theirs alone; `frozen` is None otherwise.
     params = trainable if frozen is None else lora.join(frozen, trainable)
-    lp, ent = logprobs(params, mb, key if lora_dropout else None)
-    return policy_loss(lp, mb.lp_old, mb.adv, mb.mask, den, cfg, lp_ref=mb.lp_ref, lp_samp=mb.lp_samp, entropy=ent,
-                       truncated=mb.truncated)
+    lp, ent, aux = sequence_forward(spec, params, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.context_mask,
+                                    key if lora_dropout else None)
+    loss, metrics = policy_loss(lp, mb.lp_old, mb.adv, mb.mask, den, cfg, lp_ref=mb.lp_ref, lp_samp=mb.lp_samp,
+                                entropy=ent, truncated=mb.truncated)
+    return add_aux_losses(loss, metrics, aux, _real_tokens(mb.prompt_mask, mb.context_mask) / total_tokens)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def accumulate(params, frozen, batch: TrainBatch, key):
     """Loss, summed grads and combined metrics over micro-batches (whole groups each)."""
     den = make_denominators(batch.mask, g, cfg, truncated=batch.truncated)
+    total_tokens = _real_tokens(batch.prompt_mask, batch.context_mask)
     micro = jax.tree.map(lambda x: split_groups(x, spec.micro_batches, g), batch)
 
     def body(carry, xs):
       loss_acc, grads_acc = carry
       mb, i = xs
-      (loss, metrics), grads = grad_fn(params, frozen, mb, den, jax.random.fold_in(key, i))
+      (loss, metrics), grads = grad_fn(params, frozen, mb, den, jax.random.fold_in(key, i), total_tokens)
       return (loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads)), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -187,6 +216,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     """`accumulate` over packed blocks of real tokens (trainer/packing.py): as many blocks as the
     rows' real tokens fill, each R bins of W = Lp + T tokens. Same loss, grads and metrics."""
     den = make_denominators(batch.mask, g, cfg, truncated=batch.truncated)
+    total_tokens = _real_tokens(batch.prompt_mask, batch.context_mask)
     width = batch.prompt_ids.shape[1] + batch.tokens.shape[1]
     bins = max(1, spec.pack_tokens // width)
     layout = packing.pack(batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.context_mask, bins)
@@ -195,16 +225,17 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     def block_loss(trainable, k):
       params = trainable if frozen is None else lora.join(frozen, trainable)
       tok, seg, pos = (shd.constrain(x, ("batch", "length")) for x in packing.block_inputs(layout, k, bins))
-      hidden, _ = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True,
-                              dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None)
-      lp, ent = chunked_logprobs(hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
+      out = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True,
+                        dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None)
+      lp, ent = chunked_logprobs(out.hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
                                  temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
                                  softcap=spec.model.final_logit_softcap)
       pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)))
       lp, ent = (packing.gather_completion(pad(x), layout, k, bins, t) for x in (lp, ent))
       mask = batch.mask & (layout.block == k)[:, None]
-      return policy_loss(lp, batch.lp_old, batch.adv, mask, den, cfg, lp_ref=batch.lp_ref, lp_samp=batch.lp_samp,
-                         entropy=ent, truncated=batch.truncated)
+      loss, metrics = policy_loss(lp, batch.lp_old, batch.adv, mask, den, cfg, lp_ref=batch.lp_ref,
+                                  lp_samp=batch.lp_samp, entropy=ent, truncated=batch.truncated)
+      return add_aux_losses(loss, metrics, out.aux_losses, jnp.sum(seg > 0).astype(jnp.float32) / total_tokens)
 
     block_grad = jax.value_and_grad(block_loss, has_aux=True)
     shapes = jax.eval_shape(block_loss, params, jnp.int32(0))[1]
