@@ -6,12 +6,12 @@ import threading
 import jax
 import numpy as np
 import pytest
+from test_remote_judge import KEY, Judge
+from test_reward_models import TOKENIZER, save_tiny
 
 from rljax.config import apply_overrides, load_config_file
 from rljax.tokenizer import load_tokenizer
 from rljax.trainer.loop import Trainer
-from test_remote_judge import KEY, Judge
-from test_reward_models import TOKENIZER, save_tiny
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "rljax", "configs")
 
@@ -37,11 +37,12 @@ def test_a_run_trains_on_a_verifier_a_reward_model_a_judge_and_a_remote_judge(tm
       dict(name="vowels", verifier="rljax.configs.smoke:vowel_fraction", weight=1.0),
       dict(name="rm", model=str(tmp_path / "rm"), weight=0.5),
       dict(name="judge", judge=str(tmp_path / "judge"), weight=0.5,
-           template="Q: {prompt}\nA:\n{completion}\nIs it right? Reply yes or no.", kwargs=dict(yes=["yes"], no=["no"])),
+           template="Q: {prompt}\nA:\n{completion}\nIs it right? Reply yes or no.",
+           kwargs=dict(yes=["yes"], no=["no"])),
       # The test server answers yes to a completion with 'good' in it and "Yes" to anything else.
       dict(name="remote", verifier="remote_judge", weight=0.25, kwargs=dict(
-          base_url=judge_server.url, model="judge", template="Q: {prompt}\nA: {completion}\nOK?", api_key_env="JUDGE_KEY",
-          timeout_s=5.0, total_timeout_s=20.0)),
+          base_url=judge_server.url, model="judge", template="Q: {prompt}\nA: {completion}\nOK?",
+          api_key_env="JUDGE_KEY", timeout_s=5.0, total_timeout_s=20.0)),
   ]
   trainer = Trainer(cfg)
   before = jax.device_get(trainer.state.params)

@@ -228,16 +228,15 @@ def component_scores(gc: GraphComponent, params, ids, mask, last):
   import jax
   import jax.numpy as jnp
 
-  from rljax.models.policy import apply_model, output_kernel
-  from rljax.models.transformer import positions_from_mask
-  hidden, _ = apply_model(gc.config, params["model"], ids, positions_from_mask(mask), mask, return_hidden=True)
+  from rljax.models.policy import apply_model
+  from rljax.models.transformer import Transformer, positions_from_mask
+  hidden = apply_model(gc.config, params["model"], ids, positions_from_mask(mask), mask, return_hidden=True).hidden
   h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]                  # [N, D]
   if gc.kind == "model":
     head = params["head"][:, gc.label].astype(h.dtype)
     return jnp.einsum("nd,d->n", h, head, preferred_element_type=jnp.float32)
-  logits = jnp.einsum("nd,dv->nv", h, output_kernel(gc.config, params["model"]), preferred_element_type=jnp.float32)
-  if gc.config.final_logit_softcap:
-    logits = gc.config.final_logit_softcap * jnp.tanh(logits / gc.config.final_logit_softcap)
+  # Only the last position's logits: [N, V] (soft-capped as the model's own logits are).
+  logits = Transformer(gc.config).apply({"params": params["model"]}, h, method=Transformer.hidden_to_logits)
   logp = jax.nn.log_softmax(logits, axis=-1)
   picked = logp[:, jnp.asarray(gc.token_ids)]                                            # [N, S]
   if gc.values:
