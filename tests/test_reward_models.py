@@ -196,3 +196,35 @@ def test_refusals_name_the_field(tmp_path, tokenizer):
   with pytest.raises(ConfigError, match=r"does not share the policy's vocabulary \(2 of the policy's .* "
                                         r"'remote_judge'"):
     GraphScorer(spec, tokenizer, mesh)
+
+
+def test_plan_counts_a_reward_model_in_the_fused_step(tmp_path, tokenizer):
+  """`rljax plan`'s fused step takes the reward model's parameters (abstract, from config.json alone,
+  sharded by param_shardings like the policy's) and runs its forward: its memory and FLOPs are part
+  of the program the plan compiles."""
+  from rljax.config import load_config_file
+  from rljax.models.config import ModelConfig
+  from rljax.models.policy import param_shardings
+  from rljax.plan.programs import build_inputs, build_run, program_of
+  from rljax.rewards.reward_models import SUFFIX_TOKENS, TEMPLATE_TOKENS
+  save_tiny(tmp_path / "rm", "qwen2", "model", tokenizer)
+  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4, 1), ("data", "fsdp", "tensor"))
+  flops = {}
+  for with_rm in (False, True):
+    cfg = load_config_file(os.path.join(os.path.dirname(__file__), "..", "rljax", "configs", "smoke.py"))
+    cfg.rewards.components = [dict(name="vowels", verifier="rljax.configs.smoke:vowel_fraction")] + (
+        [dict(name="rm", model=str(tmp_path / "rm"), weight=0.5)] if with_rm else [])
+    run = build_run(cfg)
+    step, args = program_of("fused", run, mesh, build_inputs(run, mesh))
+    flops[with_rm] = step.lower(*args).cost_analysis()["flops"]
+  assert len(args) == 4
+  rm = args[3]["params"]["rm"]
+  config = ModelConfig.from_hf(json.loads((tmp_path / "rm" / "config.json").read_text()))
+  config = config.replace(tie_word_embeddings=True, dtype=run.model.dtype, param_dtype=run.model.dtype)
+  assert [x.sharding for x in jax.tree.leaves(rm["model"])] == jax.tree.leaves(param_shardings(config, mesh))
+  assert rm["head"].shape == (config.hidden_size, 1)
+  # Its forward: at least 2 FLOPs per layer weight and token of N rows x (prompt + template + T + suffix).
+  d, f, h, k, dh = config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim
+  weights = config.num_layers * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f)
+  width = cfg.data.max_prompt_tokens + TEMPLATE_TOKENS + cfg.sampling.max_new_tokens + SUFFIX_TOKENS
+  assert flops[True] - flops[False] >= 2 * weights * run.rows * width

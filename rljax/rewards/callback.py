@@ -16,8 +16,10 @@ sees another's examples: `set_batch` takes the process's examples and their glob
 row) indices, `local_indices` below computes them from the prompt batch's sharding. Without a
 mesh the callback scores the whole batch on one device, as before.
 
-The pool's metrics (`last_metrics`) describe the rows this process scored; `global_metrics`
-combines them over processes (a small host all-gather: call it on every process, after the step).
+The pool's metrics (`last_metrics`) describe the rows this process scored in the step, over every
+callback round of it (devices that reach the callback more than gather_timeout_s apart are scored
+in rounds: the step's metrics merge them, rljax/rewards/summaries.py); `global_metrics` combines
+them over processes (a small host all-gather: call it on every process, after the step).
 
 Why the callback's inputs are passed in pieces of at most 96 KiB: jax's io_callback copies each
 argument onto the first CPU device before the host function sees it, and the CPU client makes a
@@ -36,8 +38,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from rljax.rewards.compose import RewardBatch, reward_summary
+from rljax.rewards import summaries
+from rljax.rewards.compose import RewardBatch
 from rljax.rewards.pool import RewardPool
+from rljax.rewards.summaries import combine_process_metrics  # noqa: F401  (re-exported: its old home)
 
 log = logging.getLogger("rljax.rewards")
 
@@ -99,9 +103,8 @@ class RewardFn:
     self._per_row: bool | None = None
     self._step = 0
     self._round: _Round | None = None
-    self._last: RewardBatch | None = None
-    self._last_rows: np.ndarray | None = None
-    self._last_rewards: np.ndarray | None = None
+    # The step's scoring calls: one, or several rounds when devices reach the callback far apart.
+    self._parts: list[tuple[RewardBatch, np.ndarray, np.ndarray]] = []   # (batch, rows, rewards)
     self._timing: dict[str, float] | None = None
 
   # ---- host side ------------------------------------------------------------------------------
@@ -123,6 +126,7 @@ class RewardFn:
         raise ValueError(f"set_batch got {len(self._examples)} examples but {len(self._indices)} indices.")
       self._per_row = per_row
       self._step = int(step)
+      self._parts, self._timing = [], None   # a new step: its metrics cover the rows scored from now
       if group_size is not None:
         self.group_size = int(group_size)
 
@@ -171,8 +175,13 @@ class RewardFn:
     return rewards, comps
 
   def _publish(self, out: RewardBatch, rows: np.ndarray, rewards: np.ndarray, start: float) -> None:
-    self._last, self._last_rows, self._last_rewards = out, rows, rewards
-    self._timing = {"start": start, "end": time.perf_counter()}
+    """Adds a scoring call's results to the step's (a call whose rows were already scored starts a
+    new step: the step ran again without set_batch)."""
+    if any(np.intersect1d(rows, part[1]).size for part in self._parts):
+      self._parts, self._timing = [], None
+    self._parts.append((out, rows, rewards))
+    first = start if self._timing is None else min(self._timing["start"], start)
+    self._timing = {"start": first, "end": time.perf_counter()}
 
   def _score_rows(self, tokens, lengths, examples, step, g, rows, graph_scores=None):
     """Scores rows [n] (sorted global indices, whole groups) against their examples."""
@@ -386,19 +395,26 @@ class RewardFn:
   # ---- results --------------------------------------------------------------------------------------
 
   def last_batch(self) -> RewardBatch | None:
-    """The RewardBatch of the last callback on this process (None before the first)."""
+    """The RewardBatch of the rows this process scored in the last step (every callback round of
+    it, rows in order; None before the first)."""
     with self._lock:
-      return self._last
+      return summaries.merge_batches(self._parts)[0] if self._parts else None
 
   def last_rows(self) -> np.ndarray | None:
-    """The global row indices this process scored in the last callback."""
+    """The global row indices this process scored in the last step (sorted)."""
     with self._lock:
-      return None if self._last_rows is None else self._last_rows.copy()
+      return summaries.merge_batches(self._parts)[1].copy() if self._parts else None
+
+  def last_rounds(self) -> int:
+    """How many scoring calls the last step took on this process (more than one when its devices
+    reached the callback more than gather_timeout_s apart)."""
+    with self._lock:
+      return len(self._parts)
 
   def last_metrics(self) -> dict[str, float]:
-    """The pool's metrics of the last callback, over the rows this process scored ({} before the first)."""
+    """The pool's metrics of the last step, over every row this process scored in it ({} before the first)."""
     with self._lock:
-      return dict(self._last.metrics) if self._last is not None else {}
+      return dict(summaries.merge_batches(self._parts)[0].metrics) if self._parts else {}
 
   def global_metrics(self) -> dict[str, float]:
     """`last_metrics` combined over every process (a host all-gather: call it on every process).
@@ -407,11 +423,11 @@ class RewardFn:
     are summed; verifier/seconds is the slowest process's; other means are weighted by the rows
     each process's figure is over (a component's scored rows, a source's rows, else all). Adds
     verifier/items (rows scored, all processes) and verifier/scoring_processes (processes that
-    scored at least one row).
+    scored at least one row). Every callback round of the step counts (rljax/rewards/summaries.py).
     """
     import jax
     with self._lock:
-      mine = _summary(self._last, self._last_rewards)
+      mine = summaries.merge([summaries.summary(b, r) for b, _, r in self._parts])
     if jax.process_count() == 1:
       parts = [mine]
     else:
@@ -420,7 +436,8 @@ class RewardFn:
     return combine_process_metrics(parts)
 
   def last_timing(self) -> dict[str, float] | None:
-    """time.perf_counter() at the start and end of the last callback (first arrival to scores)."""
+    """time.perf_counter() at the start and end of the last step's scoring (first arrival to the
+    last round's scores)."""
     with self._lock:
       return dict(self._timing) if self._timing else None
 
@@ -435,53 +452,6 @@ def _pieces(tokens):
   count = math.ceil(flat.size / per)
   flat = jnp.pad(flat, (0, count * per - flat.size))
   return [flat[i * per:(i + 1) * per] for i in range(count)]
-
-
-_SUMMED = ("verifier/timeouts", "verifier/errors", "verifier/crashes", "verifier/deadline_misses",
-           "verifier/restarts", "verifier/recycles", "verifier/info_errors", "verifier/import_timeouts",
-           "verifier/failures")
-
-
-def _summary(batch: RewardBatch | None, rewards: np.ndarray | None) -> dict:
-  """What one process contributes to the global metrics (JSON-able): its pool metrics and rewards."""
-  if batch is None or rewards is None:
-    return {"n": 0, "rewards": [], "metrics": {}}
-  r = np.asarray(rewards, np.float64).reshape(-1)
-  return {"n": int(r.size), "rewards": r.tolist(), "metrics": {k: float(v) for k, v in batch.metrics.items()},
-          "rows": {k: int(v) for k, v in batch.metric_rows.items()}}
-
-
-def combine_process_metrics(parts: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-  """Global reward metrics from per-process summaries ({"n", "rewards", "metrics", "rows"}).
-
-  reward/mean, /std, /min, /max come from every process's rewards with exactly rounded sums
-  (math.fsum), so they do not depend on how the rows were split over processes. A mean over some
-  of a process's rows (a component's over the rows it scores, a source's over its rows:
-  `RewardBatch.metric_rows`, "rows" here) is weighted by those rows, any other by all its rows.
-  """
-  parts = [p for p in parts if p.get("n", 0) > 0]
-  if not parts:
-    return {}
-  n = sum(p["n"] for p in parts)
-  out: dict[str, float] = {}
-  keys = sorted({k for p in parts for k in p["metrics"]})
-  for key in keys:
-    have = [p for p in parts if key in p["metrics"]]
-    values = [p["metrics"][key] for p in have]
-    if key in _SUMMED:
-      out[key] = float(sum(values))
-    elif key == "verifier/seconds":
-      out[key] = float(max(values))
-    elif key == "verifier/items_per_s":
-      seconds = max(p["metrics"].get("verifier/seconds", 0.0) for p in parts)
-      out[key] = n / seconds if seconds > 0 else 0.0
-    else:
-      weights = [p.get("rows", {}).get(key, p["n"]) for p in have]
-      out[key] = float(math.fsum(w * v for w, v in zip(weights, values)) / max(sum(weights), 1))
-  out.update(reward_summary(np.concatenate([np.asarray(p["rewards"], np.float64) for p in parts])))
-  out["verifier/items"] = float(n)
-  out["verifier/scoring_processes"] = float(len(parts))
-  return out
 
 
 def make_reward_fn(pool: RewardPool, decode_fn: Callable[[list[list[int]]], Sequence[str]], *,

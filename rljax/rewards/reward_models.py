@@ -208,3 +208,74 @@ class GraphScorer:
                                        self.stop_ids, h.pad_id)
       cols.append(graph.component_scores(gc, inputs["params"][gc.name], ids, mask, last))
     return jnp.stack(cols, axis=1) if cols else jnp.zeros((n, 0), jnp.float32)
+
+
+# ---- abstract (rljax plan) ---------------------------------------------------------------------------
+
+TEMPLATE_TOKENS = 64    # the plan's allowance for a model's chat template around the prompt (prefix side)
+SUFFIX_TOKENS = 32      # and after the completion (the end of the turn; a judge's question)
+
+
+def _abstract_params(config, mesh, head_labels: int | None):
+  import jax
+
+  from rljax.models.policy import init_params, param_shardings
+  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  shardings = param_shardings(config, mesh)
+  params = {"model": jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)}
+  if head_labels is not None:
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params["head"] = jax.ShapeDtypeStruct((config.hidden_size, head_labels), config.storage_dtype, sharding=replicated)
+  return params
+
+
+def abstract_scorer(spec, mesh, *, dtype: str = "float32") -> GraphScorer | None:
+  """A GraphScorer of `spec`'s reward models and judges with abstract parameters (sharded
+  ShapeDtypeStructs) read from their config.json alone, for compiling the step without weights
+  (`rljax plan`); None when the spec has none. Token ids of a judge's yes/score sets are placeholders
+  (the program's size does not depend on them)."""
+  from rljax.models.config import ModelConfig
+  from rljax.models.io import CONFIG_FILE, _read_json
+  components = [(k, c) for k, c in enumerate(spec.components) if c.in_graph]
+  if not components:
+    return None
+  scorer = GraphScorer.__new__(GraphScorer)
+  scorer.mesh, scorer.stop_ids = mesh, ()
+  scorer.components, scorer.positions, scorer.params, scorer._hosts = [], [], {}, []
+  for k, c in components:
+    kind = "judge" if c.judge is not None else "model"
+    path = os.path.join(os.path.expanduser(c.judge if kind == "judge" else c.model), CONFIG_FILE)
+    hf = _read_json(path)
+    model_dtype = c.kwargs.get("dtype", dtype)
+    config = ModelConfig.from_hf(hf, path).replace(dtype=model_dtype, param_dtype=model_dtype)
+    if kind == "model":
+      config = config.replace(tie_word_embeddings=True)
+      labels = int(hf.get("num_labels") or len(hf.get("id2label") or {}) or 1)
+      gc = GraphComponent(c.name, kind, config)
+    else:
+      labels = None
+      n = len(c.kwargs.get("scores") or c.kwargs.get("yes") or [0])
+      gc = GraphComponent(c.name, kind, config, token_ids=tuple(range(n)),
+                          values=tuple(float(i) for i in range(n)) if "scores" in c.kwargs else (),
+                          no_ids=tuple(range(len(c.kwargs.get("no") or []))))
+    scorer.components.append(gc)
+    scorer.positions.append(k)
+    scorer.params[c.name] = _abstract_params(config, mesh, labels)
+    scorer._hosts.append(_Host(None, kind, c.template, None, "", 0, f"rewards.components[{k}] ('{c.name}')"))
+  return scorer
+
+
+def abstract_inputs(scorer: GraphScorer, prompts: int, prompt_len: int) -> dict[str, Any]:
+  """The step's reward inputs as sharded ShapeDtypeStructs: the models' parameters and prompt
+  pieces of `prompts` rows, prompt_len + TEMPLATE_TOKENS wide (suffix SUFFIX_TOKENS)."""
+  import jax
+  import jax.numpy as jnp
+
+  from rljax import sharding as shd
+  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=shd.batch_sharding(  # noqa: E731
+      scorer.mesh, len(shape), prompts))
+  width = prompt_len + TEMPLATE_TOKENS
+  piece = {"prefix": sds((prompts, width), jnp.int32), "prefix_mask": sds((prompts, width), jnp.bool_),
+           "suffix": sds((prompts, SUFFIX_TOKENS), jnp.int32), "suffix_len": sds((prompts,), jnp.int32)}
+  return {"params": scorer.params, "prompts": {name: dict(piece) for name in scorer.names}}
+
