@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 import pytest
 from models_testlib import hf_model, write_gguf
-from test_packing import G, LP, P, T, _rollout
+from test_packing import LP, G, P, T, _rollout
 
 import rljax
 from rljax.errors import ConfigError, WeightsError

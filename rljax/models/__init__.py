@@ -3,3 +3,6 @@ from rljax.models.config import LoraConfig, ModelConfig, RopeScaling
 from rljax.models.outputs import ModelOutput
 from rljax.models.policy import Policy, apply_model, init_params, output_kernel, param_logical_axes, param_shardings
 from rljax.models.transformer import KVCache, Transformer, positions_from_mask
+
+__all__ = ["KVCache", "LoraConfig", "ModelConfig", "ModelOutput", "Policy", "RopeScaling", "Transformer", "apply_model",
+           "init_params", "output_kernel", "param_logical_axes", "param_shardings", "positions_from_mask"]

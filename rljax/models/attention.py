@@ -75,8 +75,8 @@ def attend(q, k, v, *, token_mask=None, segment_ids=None, impl: str = "auto", bl
 
   q: [B, T, K, R, Dh]; k, v: [B, T, K, Dh]; token_mask: [B, T] bool (None = all real);
   segment_ids: [B, T] int32 (None = one segment per row). Scores are multiplied by `scale` (a
-  Python float; None, the default, divides them by sqrt(Dh)) and computed in float32; with `softcap` (a Python float) they
-  become softcap * tanh(s / softcap) before masking. window: None, or an int32 scalar (may be
+  Python float; None, the default, divides them by sqrt(Dh)) and computed in float32; with `softcap`
+  (a Python float) they become softcap * tanh(s / softcap) before masking. window: None, or an int32 scalar (may be
   traced: a layer's flag picks it) with positions [B, T] int32: a query sees only keys whose
   position is > its own minus window. block_q / block_k: chunked's block sizes (splash uses
   block_q); T need not be a multiple of them. interpret: run splash in Pallas interpret mode
@@ -218,7 +218,7 @@ def _flash_forward(q, k, v, masks, bq, bk, scale, softcap):
     out, lse = carry
 
     def k_block(j, state):
-      m, l, acc = state
+      m, denom, acc = state
       mask = _block_mask(i, j, bq, bk, masks)
       s = jnp.where(mask, _block_scores(q, k, i, j, bq, bk, scale, softcap)[0], _MASK_VALUE)
       m_new = jnp.maximum(m, s.max(axis=-1))
@@ -226,14 +226,14 @@ def _flash_forward(q, k, v, masks, bq, bk, scale, softcap):
       corr = jnp.exp(m - m_new)
       vj = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
       pv = jnp.einsum("bkqrs,bksd->bkqrd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
-      return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+      return m_new, denom * corr + p.sum(axis=-1), acc * corr[..., None] + pv
 
     init = (jnp.full((b, kh, bq, r), _MASK_VALUE, jnp.float32), jnp.zeros((b, kh, bq, r), jnp.float32),
             jnp.zeros((b, kh, bq, r, dh), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, _last_key_block(i, bq, bk, num_k), k_block, init)
-    seen = l > 0
-    o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
-    lse_i = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+    m, denom, acc = jax.lax.fori_loop(0, _last_key_block(i, bq, bk, num_k), k_block, init)
+    seen = denom > 0
+    o = jnp.where(seen[..., None], acc / jnp.where(seen, denom, 1.0)[..., None], 0.0)
+    lse_i = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)
     out = jax.lax.dynamic_update_slice_in_dim(out, o.astype(out.dtype), i * bq, axis=2)
     return out, jax.lax.dynamic_update_slice_in_dim(lse, lse_i, i * bq, axis=2)
 
@@ -380,7 +380,7 @@ def _splash(q, k, v, token_mask, segment_ids, block, interpret, scale=None):
   vt = _pad_axis(v.transpose(0, 2, 1, 3), tp, 2)
 
   def run(qh, kt, vt, seg):
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa   # as in _splash_kernel
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa  # as in _splash_kernel
     kernel = _splash_kernel(tp, qh.shape[1], blk, interpret)
     one = lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=sa.SegmentIds(s1, s1))
     return jax.vmap(one)(qh, kt, vt, seg)

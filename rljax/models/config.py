@@ -137,13 +137,15 @@ class ModelConfig:
 
   def __post_init__(self):
     family = _families().get(self.architecture)   # ConfigError naming model.architecture when unknown
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim"):
       if int(getattr(self, name)) < 1:
         raise ConfigError(f"model.{name}={getattr(self, name)!r} must be a positive integer.")
     if self.head_dim % 2:
       raise ConfigError(f"model.head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions.")
     if self.num_heads % self.num_kv_heads:
-      raise ConfigError(f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}.")
+      raise ConfigError(f"model.num_heads={self.num_heads} must be a multiple of "
+                        f"model.num_kv_heads={self.num_kv_heads}.")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ConfigError(f"model.{name}={getattr(self, name)!r} is not supported; use one of {tuple(_DTYPES)}.")

@@ -183,7 +183,8 @@ def scaling_from_hf(rope: Mapping[str, Any], max_position_embeddings: int, sourc
     factor = float(max_position_embeddings / original if factor is None else factor)
     opt = lambda key: None if rope.get(key) is None else float(rope[key])
     return YarnRopeScaling(factor=factor, original_max_position_embeddings=original,
-                           beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                           beta_fast=float(rope.get("beta_fast") or 32.0),
+                           beta_slow=float(rope.get("beta_slow") or 1.0),
                            attention_factor_override=opt("attention_factor"), mscale=opt("mscale"),
                            mscale_all_dim=opt("mscale_all_dim"), truncate=bool(rope.get("truncate", True)))
   except KeyError as e:

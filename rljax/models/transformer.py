@@ -33,8 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax import sharding as shd
-from rljax.models import families
-from rljax.models import rope as rope_lib
+from rljax.models import families, rope as rope_lib
 from rljax.models.attention import attend, soft_cap
 from rljax.models.cache import DecodeCache, KVCache, LayerCache, PrefixCache, PrefixView, cached_attention
 from rljax.models.config import ModelConfig

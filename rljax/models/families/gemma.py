@@ -117,7 +117,8 @@ class Gemma3(Gemma2):
   hf_class = "Gemma3ForCausalLM"
   fixed = {**_GEMMA_FIXED, "qk_norm": True}
   refused_model_types = {"gemma3": "is the multimodal Gemma 3 (Gemma3ForConditionalGeneration); rljax supports "
-                                   "the text-only Gemma3ForCausalLM (model_type 'gemma3_text', e.g. google/gemma-3-1b-it)."}
+                                   "the text-only Gemma3ForCausalLM (model_type 'gemma3_text', e.g. "
+                                   "google/gemma-3-1b-it)."}
   default_theta = 1_000_000.0
   default_local_theta = 10_000.0
   gemma_fields = Gemma2.gemma_fields + ("rope_local_theta",)

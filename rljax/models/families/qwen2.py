@@ -38,7 +38,8 @@ class Qwen2(Family):
     return self.decoder_from_hf(hf, source)
 
   def to_hf(self, c, dtype: str) -> dict[str, Any]:
-    return {**self.decoder_to_hf(c, dtype), "use_sliding_window": False, "sliding_window": None, "max_window_layers": c.num_layers}
+    return {**self.decoder_to_hf(c, dtype), "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": c.num_layers}
 
 
 FAMILIES = (Qwen2(),)
