@@ -167,6 +167,7 @@ def test_refusals_name_the_field(tmp_path, tokenizer):
       ({"name": "r", "model": "x", "verifier": "math"}, r"give one of verifier, model and judge"),
       ({"name": "r", "model": "x", "kwargs": {"yes": ["y"]}}, r"\['yes'\] are not options of a reward model"),
       ({"name": "r", "verifier": "math", "template": "{prompt}"}, r"template is for reward models and judges"),
+      ({"name": "r", "model": str(tmp_path / "nope")}, r"\('r'\).model='.*nope': no such Hugging Face checkpoint"),
   ]
   for comp, match in cases:
     with pytest.raises(ConfigError, match=match):

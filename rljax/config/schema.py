@@ -149,7 +149,8 @@ SCHEMA = Section(
         "the reward components and the pool that scores them (docs/rewards.md)", type_safe=False,
         components=Field([dict(name="correct", verifier="by_source", weight=1.0)],
                          "weighted reward components, each a dict: name, verifier ('by_source': the verifier its "
-                         "data source names), weight, sources, ... (docs/rewards.md)"),
+                         "data source names) or model (a reward model dir) or judge (a causal LM dir, with "
+                         "template), weight, sources, ... (docs/rewards.md)"),
         timeout_s=Field(5.0, "seconds one verifier call may take; then it scores `fallback`"),
         batch_deadline_s=Field(120.0, "seconds a whole batch may take to score"),
         fallback=Field(0.0, "the reward of a verifier call that timed out or failed"),

@@ -110,6 +110,10 @@ def check_component(c, where: str) -> None:
     raise ConfigError(f"{where}.kwargs.label must be an int >= 0 (a column of the score head), got {kw['label']!r}.")
   if "dtype" in kw and kw["dtype"] not in ("float32", "bfloat16"):
     raise ConfigError(f"{where}.kwargs.dtype must be 'float32' or 'bfloat16', got {kw['dtype']!r}.")
+  if not is_checkpoint_dir(os.path.expanduser(path)):
+    raise ConfigError(f"{where}.{kind}={path!r}: no such Hugging Face checkpoint directory (config.json, safetensors "
+                      f"weights, tokenizer files); give the directory of a "
+                      f"{'*ForSequenceClassification reward model' if kind == 'model' else 'causal LM'}.")
 
 
 # ---- the prompt side (host) ------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def remote_judge(completions: list[str], examples: list[Any], *, base_url: str, 
                  api_key_env: str | None = "OPENAI_API_KEY", system: str | None = None, parse: str = "yes_no",
                  max_score: float = 10.0, endpoint: str = "chat", batch_size: int = 1, max_concurrency: int = 8,
                  timeout_s: float = 30.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 total_timeout_s: float = 120.0, max_tokens: int = 8, temperature: float = 0.0,
+                 total_timeout_s: float = 100.0, max_tokens: int = 8, temperature: float = 0.0,
                  cache_path: str | None = None) -> list[RewardResult | ItemFailure]:
   """Scores each completion with the judge behind `base_url` (module doc)."""
   start = time.monotonic()
@@ -241,7 +241,7 @@ def remote_judge(completions: list[str], examples: list[Any], *, base_url: str, 
 
 def _check(base_url: str = "", model: str = "", template: str = "", api_key_env: str | None = "OPENAI_API_KEY",
            parse: str = "yes_no", endpoint: str = "chat", batch_size: int = 1, max_concurrency: int = 8,
-           timeout_s: float = 30.0, max_retries: int = 3, total_timeout_s: float = 120.0, max_score: float = 10.0,
+           timeout_s: float = 30.0, max_retries: int = 3, total_timeout_s: float = 100.0, max_score: float = 10.0,
            **_) -> None:
   u = urllib.parse.urlsplit(base_url or "")
   if u.scheme not in ("http", "https") or not u.hostname:
