@@ -137,7 +137,7 @@ def test_weaker_messages_name_the_field_and_the_fix(tmp_path, capsys):
 def test_source_without_valid_rows_and_eval_on_the_training_file(tmp_path, capsys):
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"q": "1 + 1"}\n{"q": "2 + 2"}\n')
-  source = f"--config.data.sources=[{{'kind': 'jsonl', 'path': '{bad}', 'verifier': 'exact'}}]"
+  source = f"--config.data.sources=[{{'kind': 'jsonl', 'path': '{bad}', 'verifier': 'none'}}]"
   err = _main_error(capsys, f"--config.output.dir={tmp_path / 'run'}", source)
   assert f"{bad} line 1: missing prompt field 'prompt'" in err and "none of its 2 rows" in err
   err = _main_error(capsys, f"--config.output.dir={tmp_path / 'run'}", source, "--config.eval.before_and_after=True")

@@ -86,7 +86,7 @@ def test_non_finite_gradients_are_skipped_then_the_run_stops(tmp_path):
 
 def test_dataset_that_runs_out_saves_and_stops(tmp_path):
   cfg = smoke(tmp_path, "train.steps=5", "data.num_epochs=1")
-  cfg.data.sources = [dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=1, seed=0,
+  cfg.data.sources = [dict(kind="arithmetic", weight=1.0, verifier="none", difficulty=1, seed=0,
                            num_examples=20)]
   trainer = Trainer(cfg)
   with pytest.raises(DataExhausted, match="num_epochs"):

@@ -115,7 +115,8 @@ SCHEMA = Section(
         "the data pipeline's fields: see docs/data.md", type_safe=False,
         sources=Field([dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=1)],
                       "the prompt sources, each a dict: kind (" + " | ".join(SOURCE_KINDS) + "), path, weight, "
-                      "verifier, ... (docs/data.md)"),
+                      "verifier (what a 'by_source' reward component scores its rows with; 'none': none), ... "
+                      "(docs/data.md)"),
         system_prompt=Field("", "system message put before every prompt (\"\" = none)"),
         prompt_template=Field("{prompt}", "the user message; {prompt} is the example's prompt"),
         max_prompt_tokens=Field(128, "prompts longer than this (in tokens, after the chat template) are filtered out"),
@@ -146,8 +147,10 @@ SCHEMA = Section(
     ),
     rewards=Section(
         "the reward components and the pool that scores them (docs/rewards.md)", type_safe=False,
-        components=Field([dict(name="correct", verifier="arithmetic", weight=1.0)],
-                         "weighted reward components, each a dict: name, verifier, weight, ... (docs/rewards.md)"),
+        components=Field([dict(name="correct", verifier="by_source", weight=1.0)],
+                         "weighted reward components, each a dict: name, verifier ('by_source': the verifier its "
+                         "data source names) or model (a reward model dir) or judge (a causal LM dir, with "
+                         "template), weight, sources, ... (docs/rewards.md)"),
         timeout_s=Field(5.0, "seconds one verifier call may take; then it scores `fallback`"),
         batch_deadline_s=Field(120.0, "seconds a whole batch may take to score"),
         fallback=Field(0.0, "the reward of a verifier call that timed out or failed"),

@@ -18,6 +18,7 @@ from rljax.config.schema import base_config
 from rljax.data.config import eval_reads_training_data
 from rljax.errors import ConfigError
 from rljax.models.config import ATTENTION_IMPLS
+from rljax.rewards.routing import source_verifiers_from_data
 from rljax.rewards.spec import RewardSpec
 from rljax.tools.parsing import FORMATS as TOOL_FORMATS
 from rljax.trainer import modes
@@ -295,8 +296,10 @@ def check_batch_mesh(c: ml_collections.ConfigDict, mesh, process_count: int) -> 
 
 def _validate_rewards(c: ml_collections.ConfigDict) -> None:
   """The reward spec as the pool will read it (rljax.rewards.RewardSpec): fields, verifiers, their
-  kwargs and signatures, time limits; no worker is started."""
+  kwargs and signatures, time limits, and its routing against data.sources[i].verifier (every
+  source's verifier scores its rows, no fixed verifier scores another source's rows; see
+  rljax/rewards/routing.py); no worker is started."""
   try:
-    RewardSpec.from_dict(c.rewards.to_dict())
+    RewardSpec.from_dict(c.rewards.to_dict(), source_verifiers=source_verifiers_from_data(c.data))
   except ConfigError as e:
     raise ConfigError(f"config.{e}") from None

@@ -22,7 +22,7 @@ def get_config():
   c.sampling.temperature = 0.7          # at 1.0 this model's samples are mostly off-topic (12% correct)
   c.rl.preset = "grpo"
   c.rl.kl_coef = 0.0                    # no reference model: saves a forward pass and its memory
-  c.rewards.components = [dict(name="correct", verifier="arithmetic", weight=1.0)]
+  c.rewards.components = [dict(name="correct", verifier="by_source", weight=1.0)]
   c.optim.learning_rate = 1e-5
   c.optim.warmup_steps = 2
   c.train.steps = 24

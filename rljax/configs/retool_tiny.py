@@ -35,7 +35,7 @@ def get_config():
   c.tools.timeout_s = 5.0
   c.rl.preset = "grpo"
   c.rl.kl_coef = 0.0
-  c.rewards.components = [dict(name="correct", verifier="arithmetic", weight=1.0)]
+  c.rewards.components = [dict(name="correct", verifier="by_source", weight=1.0)]
   c.optim.learning_rate = 1e-6
   c.train.steps = 2
   c.train.prompts_per_step = 4

@@ -313,12 +313,14 @@ def update_program(setup: Setup, mesh, shardings: TrainState):
 
 
 def train_step_program(setup: Setup, mesh, shardings: TrainState,
-                       reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]):
+                       reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]], inputs_shardings=None):
   """The fused step (sample -> rewards -> update), jitted with the state donated:
-  `(state, prompt_ids [P*O, Lp], prompt_mask) -> (state, metrics)`. reward_fn: the reward
-  pool's io_callback bridge, or the plan's `stand_in_reward_fn`."""
+  `(state, prompt_ids [P*O, Lp], prompt_mask[, reward_inputs]) -> (state, metrics)`. reward_fn: the
+  reward pool's io_callback bridge, or the plan's `stand_in_reward_fn`. inputs_shardings: those of
+  the reward inputs of in-graph reward models and judges (`RewardFn.graph_inputs`), which the
+  step then takes as its fourth argument."""
   step = make_train_step(setup.spec, setup.optimizer, reward_fn, setup.schedule, mesh=mesh)
-  return jit_train_step(step, shardings, prompt_sharding(setup, mesh))
+  return jit_train_step(step, shardings, prompt_sharding(setup, mesh), inputs_shardings)
 
 
 def stand_in_reward_fn(components: int):

@@ -369,28 +369,33 @@ def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
                     reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
                     learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None, *,
                     mesh: jax.sharding.Mesh | None = None):
-  """Builds the fused `step(state, prompt_ids [P*O, Lp], prompt_mask [P*O, Lp]) -> (state, metrics)`.
+  """Builds the fused `step(state, prompt_ids [P*O, Lp], prompt_mask [P*O, Lp][, reward_inputs]) -> (state, metrics)`.
 
-  `reward_fn(tokens [N, T], lengths [N]) -> (rewards [N] f32, components [N, K] f32)` is the io_callback bridge of
-  the reward pool. The returned function is not jitted; the caller jits it with shardings and
-  donation (see `jit_train_step`).
+  `reward_fn(tokens [N, T], lengths [N][, reward_inputs]) -> (rewards [N] f32, components [N, K] f32)` is the
+  io_callback bridge of the reward pool; `reward_inputs` (`reward_fn.graph_inputs`: the reward models' and judges'
+  parameters and prompt pieces) lets it score the rows with those models in this program first. The returned
+  function is not jitted; the caller jits it with shardings and donation (see `jit_train_step`).
   """
   generate = make_generate_fn(spec, mesh)
   update = make_update_fn(spec, optimizer, learning_rate_fn, mesh=mesh)
 
-  def step(state: TrainState, prompt_ids, prompt_mask):
+  def step(state: TrainState, prompt_ids, prompt_mask, reward_inputs=None):
     rollout = generate(state.model_params(), rollout_key(state.rng, state.step), prompt_ids, prompt_mask)
     with shd.activate(mesh):
-      rollout = rollout.with_rewards(*reward_fn(rollout.tokens, rollout.lengths))
+      scores = reward_fn(rollout.tokens, rollout.lengths) if reward_inputs is None else \
+          reward_fn(rollout.tokens, rollout.lengths, reward_inputs)
+      rollout = rollout.with_rewards(*scores)
     return update(state, rollout)
 
   return step
 
 
-def jit_train_step(step_fn, state_shardings=None, batch_sharding=None):
-  """jit with the state donated (its buffers are reused for the new state)."""
+def jit_train_step(step_fn, state_shardings=None, batch_sharding=None, inputs_shardings=None):
+  """jit with the state donated (its buffers are reused for the new state); `inputs_shardings`: those
+  of the reward inputs (the step then takes them as its fourth argument)."""
   kwargs = {}
   if state_shardings is not None:
-    kwargs = dict(in_shardings=(state_shardings, batch_sharding, batch_sharding),
+    ins = (state_shardings, batch_sharding, batch_sharding)
+    kwargs = dict(in_shardings=ins if inputs_shardings is None else ins + (inputs_shardings,),
                   out_shardings=(state_shardings, None))
   return jax.jit(step_fn, donate_argnums=(0,), **kwargs)
