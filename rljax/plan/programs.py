@@ -160,7 +160,7 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
   stops = () if s.ignore_eos else tuple(sorted(set(mc.eos_token_ids) | {int(i) for i in s.stop_token_ids}))
   sp = SamplingParams(num_samples=s.num_samples, max_new_tokens=s.max_new_tokens,
                       temperature=temp if temp > 0 else 1.0, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                      greedy=temp == 0, stop_token_ids=stops)
+                      greedy=temp == 0, stop_token_ids=stops, slots=s.slots)
   recompute = config_lib.recompute_old_logprobs(config)
   extra = {}   # fields of newer StepSpecs, set as the Trainer sets them
   spec_fields = {f.name for f in dataclasses.fields(StepSpec)}

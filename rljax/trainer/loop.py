@@ -82,15 +82,17 @@ def load_policy(model_cfg, tokenizer_path: str = "", mesh=None) -> Policy:
 
 
 def sampling_params(cfg, tokenizer, *, greedy=False, max_new_tokens=None, num_samples=None, temperature=None,
-                    stops=True):
-  """SamplingParams from config.sampling; `stops=False` drops the stop tokens (sampling.ignore_eos)."""
+                    stops=True, slots=0):
+  """SamplingParams from config.sampling; `stops=False` drops the stop tokens (sampling.ignore_eos);
+  `slots`: the decode slots (the training rollouts pass sampling.slots; evaluation decodes every row)."""
   s = cfg.sampling
   temp = s.temperature if temperature is None else temperature
   return SamplingParams(
       num_samples=num_samples or s.num_samples, max_new_tokens=max_new_tokens or s.max_new_tokens,
       temperature=temp if temp > 0 else 1.0, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
       greedy=greedy or temp == 0,
-      stop_token_ids=tuple(sorted(set(tokenizer.stop_ids) | {int(i) for i in s.stop_token_ids})) if stops else ())
+      stop_token_ids=tuple(sorted(set(tokenizer.stop_ids) | {int(i) for i in s.stop_token_ids})) if stops else (),
+      slots=slots)
 
 
 class PromptFeed:
@@ -173,7 +175,8 @@ class Trainer:
     self.oversample = config_lib.dynamic_oversample(config)
     self._peak_flops: float | None = None
     # Rollouts honour sampling.ignore_eos; evaluation always stops at the tokenizer's stop tokens.
-    self.sp = sampling_params(config, self.tokenizer, stops=not config.sampling.ignore_eos)
+    self.sp = sampling_params(config, self.tokenizer, stops=not config.sampling.ignore_eos,
+                              slots=config.sampling.slots)
     recompute = config_lib.recompute_old_logprobs(config)
     self.spec = StepSpec(
         model=self.model_config, sampling=self.sp, loss=self.loss_cfg, prompts=t.prompts_per_step,
@@ -346,15 +349,20 @@ class Trainer:
   def _perf_metrics(self, m: dict[str, float], prompt_len: int) -> dict[str, float]:
     """Achieved FLOP/s per phase and as a fraction of the devices' peak (rljax/flops.py)."""
     from rljax import flops
+    from rljax.rollout.slots import decode_slots
     if self._peak_flops is None:
       self._peak_flops, source = flops.device_peak_flops(self.config.model.dtype)
       log.info("peak for perf/mfu: %.3g FLOP/s (%s)", self._peak_flops, source)
     t, spec = self.config.train, self.spec
     extra = int(self.loss_cfg.needs_reference) + int(spec.recompute_old_logprobs)
+    rows = t.prompts_per_step * self.oversample * spec.group
+    steps, decode_rows = int(m["response_length_max"]), None
+    if "sampler/decode_steps" in m:   # the sampler's own count; its decode slots (sampling.slots) did the work
+      steps, decode_rows = int(m["sampler/decode_steps"]) + 1, decode_slots(spec.sampling, rows)
     work = flops.rollout_step_flops(
         spec.model, sample_prompts=t.prompts_per_step * self.oversample, update_prompts=t.prompts_per_step,
-        group=spec.group, prompt_len=prompt_len, decode_steps=int(m["response_length_max"]),
-        completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra)
+        group=spec.group, prompt_len=prompt_len, decode_steps=steps,
+        completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra, decode_rows=decode_rows)
     out = {"perf/flops_per_s": (work["sample"] + work["update"]) / max(m["time/step"], 1e-9)}
     out["perf/mfu"] = flops.utilization(out["perf/flops_per_s"], self._peak_flops)
     # In the decoupled modes a phase's time is the wait for it, not its duration: no per-phase MFU.
