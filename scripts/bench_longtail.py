@@ -190,6 +190,10 @@ def compare(res: dict[int, dict], what: str, work: str) -> list[Result]:
                       f"{r['decode_steps'] / base['decode_steps']:.2f}x the steps"))
     out.append(Result(f"{head}: {what}, seconds per batch on this CPU", f"{r['seconds']:.2f}",
                       f"slots={base['slots']}: {base['seconds']:.2f}", f"{base['seconds'] / r['seconds']:.2f}x faster"))
+    if "sample_s" in r:
+      out.append(Result(f"{head}: {what}, its sample phase (seconds)", f"{r['sample_s']:.2f}",
+                        f"slots={base['slots']}: {base['sample_s']:.2f}",
+                        f"{base['sample_s'] / r['sample_s']:.2f}x faster"))
   return out
 
 
