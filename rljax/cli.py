@@ -1,4 +1,8 @@
-"""`rljax train | eval | export | generate | config | plan`, and `rljax --version`."""
+"""`rljax train | eval | export | generate | config | plan`, and `rljax --version`.
+
+Each command imports what it needs when it runs (jax, the trainer, the planner), so `rljax --help`,
+`rljax --version` and a command's `--help` start in a fraction of a second.
+"""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +13,8 @@ import os
 import sys
 from typing import Sequence
 
+import rljax
+from rljax import config as config_lib  # the package resolves its names on first use: no jax here
 from rljax.errors import ConfigError, RljaxError
 
 USAGE = """usage: rljax <command> [options]        (rljax <command> --help for each command's options)
@@ -78,7 +84,6 @@ def _train_parser() -> argparse.ArgumentParser:
 def _preflight(cfg) -> None:
   """The checks that need files but no weights: the model's context (from its config or GGUF
   header) and the data sources (each must yield a valid example), before the model loads."""
-  from rljax import config as config_lib
   config_lib.check_model_fits_early(cfg)
   from rljax.data import build_dataset
   data_cfg = cfg.data.to_dict()
@@ -97,7 +102,6 @@ def _primary_process() -> bool:
 
 
 def cmd_train(argv: Sequence[str]) -> int:
-  from rljax import config as config_lib
   gin_files, gin_bindings, argv = config_lib.split_gin_args(argv)
   path, overrides, rest = config_lib.split_config_args(argv)
   args = _train_parser().parse_args(rest)   # --help ends here, before anything loads
@@ -159,7 +163,6 @@ def _print_summary(summary) -> None:
 
 def cmd_config(argv: Sequence[str]) -> int:
   """`rljax config show [--config FILE] [--gin_file F] [--config.FIELD=VALUE ...]`."""
-  from rljax import config as config_lib
   gin_files, gin_bindings, argv = config_lib.split_gin_args(argv)
   path, overrides, rest = config_lib.split_config_args(argv)
   parser = argparse.ArgumentParser(
@@ -219,7 +222,6 @@ def cmd_generate(argv: Sequence[str]) -> int:
   args = parser.parse_args(argv)
   import jax
   import numpy as np
-  import rljax
   policy = rljax.load_pretrained(args.model)
   tok = policy.tokenizer
   texts = [p if args.no_chat_template else tok.apply_chat_template([{"role": "user", "content": p}],
@@ -248,8 +250,7 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "generat
 
 
 def version() -> str:
-  from rljax import __version__
-  return __version__
+  return rljax.__version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -269,13 +270,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     print(f"rljax: unknown command {command!r}.{hint}\n\n{USAGE}", file=sys.stderr)
     return 2
-  from rljax.trainer.rundir import RunFinished
   try:
     return COMMANDS[command](rest)
-  except RunFinished as e:
-    print(f"rljax {command}: {e}")
-    return 0
   except RljaxError as e:
+    from rljax.trainer.rundir import RunFinished  # here, not at start-up: the run dir's module imports jax
+    if isinstance(e, RunFinished):
+      print(f"rljax {command}: {e}")
+      return 0
     print(f"rljax {command}: error: {e}", file=sys.stderr)
     return 1
 

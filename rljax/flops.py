@@ -18,6 +18,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from rljax.models import families
+
 # Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets, by a substring of
 # `jax.Device.device_kind` (lower-case). fp32 work on TPUs runs through bf16 passes; on GPUs
 # TF32 tensor cores run at half these rates.
@@ -28,27 +30,18 @@ _PEAK_BF16 = (
 
 
 def _weight_matmul_flops(config, tokens: int) -> float:
-  """FLOPs of the forward's weight matmuls (projections, MLP, output head) over `tokens` tokens."""
-  c = config
-  per_layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
-  return float(tokens) * 2.0 * (c.num_layers * per_layer + c.vocab_size * c.hidden_size)
-
-
-def _adapter_flops(config, tokens: int) -> float:
-  """FLOPs of the LoRA adapters' forward, (x A) B on each adapted projection (0 without LoRA)."""
-  c = config
-  if getattr(c, "lora", None) is None:
-    return 0.0
-  d, q, kv, f = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-  sizes = {"q": d + q, "k": d + kv, "v": d + kv, "o": q + d, "gate": d + f, "up": d + f, "down": f + d}
-  return float(tokens) * 2.0 * c.lora.rank * c.num_layers * sum(sizes[t] for t in c.lora.targets)
+  """FLOPs of the forward's weight matmuls (projections, MLP or experts, output head) over `tokens`
+  tokens, as the model's family counts them (active parameters only for a mixture of experts)."""
+  return float(tokens) * families.get(config.architecture).weight_flops_per_token(config)
 
 
 def forward_flops(config, tokens: int, context: float) -> float:
-  """FLOPs of one forward over `tokens` tokens whose attention spans `context` keys on average."""
-  c = config
-  attention = 4 * context * c.num_heads * c.head_dim * c.num_layers      # q.k and p.v per token
-  return _weight_matmul_flops(c, tokens) + float(tokens) * attention + _adapter_flops(c, tokens)
+  """FLOPs of one forward over `tokens` tokens whose attention spans `context` keys on average
+  (LoRA adapters included)."""
+  family = families.get(config.architecture)
+  per_token = (family.weight_flops_per_token(config) + family.attention_flops_per_token(config, context)
+               + family.adapter_flops_per_token(config))
+  return float(tokens) * per_token
 
 
 def train_flops(config, tokens: int, context: float) -> float:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import math
 import os
 from typing import Any, Iterator, Sequence
 
-
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rljax.errors import ConfigError
@@ -232,8 +233,6 @@ def allgather_objects(obj: Any) -> list[Any]:
   """
   if jax.process_count() == 1:
     return [obj]
-  import json
-  from jax.experimental import multihost_utils
   blob = np.frombuffer(json.dumps(obj, default=str).encode(), np.uint8)
   sizes = np.asarray(multihost_utils.process_allgather(np.asarray([blob.size], np.int64))).reshape(-1)
   padded = np.zeros(int(sizes.max()), np.uint8)

@@ -169,7 +169,8 @@ def memory(args) -> list[tuple[int, int, float]]:
   for s in [int(x) for x in args.slots.split(",")]:
     sp = SamplingParams(num_samples=GROUP, max_new_tokens=args.memory_tokens, slots=s)
     stats = f.lower(config, params, ids, mask, sp, jax.random.key(0), eos_ids=(2,)).compile().memory_analysis()
-    cache = 2 * config.num_layers * config.num_kv_heads * config.head_dim * args.memory_tokens * 4 * (s or PROMPTS * GROUP)
+    per_row = 2 * config.num_layers * config.num_kv_heads * config.head_dim * args.memory_tokens * 4   # float32 k, v
+    cache = per_row * (s or PROMPTS * GROUP)
     rows.append((s or PROMPTS * GROUP, stats.temp_size_in_bytes, cache / 2**20))
   return rows
 

@@ -5,7 +5,7 @@
 
 A small random Llama (the smoke recipe's vowel task, SmolLM2's tokenizer) trains for `--steps`
 steps of 8 prompts x G=8 in each mode. The verifier waits `delay` seconds per item before
-scoring (rljax.configs.smoke:slow_vowel_fraction): a latency-bound verifier such as a remote
+scoring (scripts/slow_verifier.py): a latency-bound verifier such as a remote
 judge or a test run, calibrated so that scoring a batch takes about as long as generating it
 (measured by a fused calibration run in the same process). The first step of each mode
 (compilation) is excluded; completions/s and reward/s (reward summed over completions, per
@@ -28,6 +28,9 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# The reward workers import the slow verifier from scripts/ by path.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
+                                                         os.environ.get("PYTHONPATH", "")]))
 
 from benchlib import Result, add_json_arg, machine, report  # noqa: E402
 
@@ -42,7 +45,7 @@ def make_config(mode: str, out_dir: str, args, delay_s: float, steps: int, stale
       f"model.random.hidden_size={args.hidden}", f"model.random.intermediate_size={4 * args.hidden}",
       f"model.random.num_layers={args.layers}", "model.random.head_dim=32", "model.random.num_heads=4",
       "optim.learning_rate=0.01", f"rewards.num_workers={args.workers}", "output.tensorboard=False"])
-  cfg.rewards.components = [dict(name="vowels", verifier="rljax.configs.smoke:slow_vowel_fraction", weight=1.0,
+  cfg.rewards.components = [dict(name="vowels", verifier="slow_verifier:slow_vowel_fraction", weight=1.0,
                                  kwargs=dict(delay_s=delay_s))]
   return cfg
 

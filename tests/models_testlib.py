@@ -32,10 +32,14 @@ def hf_config(family: str):
 
 def hf_model(family: str, seed: int = 0):
   """A transformers model with every tensor random (norm scales around 1, biases non-zero)."""
+  return hf_model_from_config(hf_config(family), seed)
+
+
+def hf_model_from_config(config, seed: int = 0):
+  """`hf_model` for a given transformers config object."""
   import torch
   import transformers
   torch.manual_seed(seed)
-  config = hf_config(family)
   config._attn_implementation = "eager"
   model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
   with torch.no_grad():

@@ -19,7 +19,8 @@ SMOKE = os.path.join(CONFIGS, "smoke.py")
 
 def rljax(*args, timeout=120, **kw):
   """`rljax ARGS` in a subprocess: (exit status, stdout, stderr)."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "RLJAX_CACHE_DIR": kw.pop("cache", os.environ.get("RLJAX_CACHE_DIR", ""))}
+  cache = kw.pop("cache", os.environ.get("RLJAX_CACHE_DIR", ""))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "RLJAX_CACHE_DIR": cache}
   env = {k: v for k, v in env.items() if v != ""}
   proc = subprocess.run([sys.executable, "-m", "rljax.cli", *args], capture_output=True, text=True, timeout=timeout,
                         env=env, **kw)

@@ -93,7 +93,7 @@ def test_lora_flops_match_xla_cost_analysis(train):
   batch, length = 4, 128
   tokens = jnp.zeros((batch, length), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  forward = lambda a, b: apply_model(config, lora.join(b, a), tokens, positions)[0]
+  forward = lambda a, b: apply_model(config, lora.join(b, a), tokens, positions).logits
   # A loss whose value and gradient need the logits (a linear one's gradient does not need them
   # and XLA drops the forward's output head).
   fn = jax.value_and_grad(lambda a, b: jnp.sum(jax.nn.log_softmax(forward(a, b)))) if train else forward

@@ -123,8 +123,10 @@ def test_config_switches_from_transformers(models):
   assert c.eos_token_ids == (1, 106) and c.tie_word_embeddings
   with pytest.raises(WeightsError, match="multimodal"):
     ModelConfig.from_hf(dict(legacy, model_type="gemma3"))
-  with pytest.raises(WeightsError, match="linear"):
-    ModelConfig.from_hf(dict(legacy, rope_scaling={"rope_type": "linear", "factor": 8.0}))
+  # Gemma 3 4B+'s linear scaling of the global layers (checked against transformers in test_rope.py).
+  assert ModelConfig.from_hf(dict(legacy, rope_scaling={"rope_type": "linear", "factor": 8.0})).rope_scaling.factor == 8
+  with pytest.raises(WeightsError, match="dynamic"):
+    ModelConfig.from_hf(dict(legacy, rope_scaling={"rope_type": "dynamic", "factor": 8.0}))
   with pytest.raises(ConfigError, match="model.sliding_layers"):
     c.replace(sliding_layers=(True, False))
   # `rljax plan --layers A,B` compiles shallower copies: the per-layer pattern repeats.

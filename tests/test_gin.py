@@ -31,7 +31,8 @@ def test_bindings_macros_and_nested_sections():
 @pytest.mark.parametrize("binding, pattern", [
     ("train.stepz = 3", r"config field 'train\.stepz' does not exist\. Did you mean 'train\.steps'\?"),
     ("trian.steps = 3", r"'trian' is not a config section\. Did you mean 'train'\?"),
-    ("model.random.hidden_sise = 3", r"'model\.random\.hidden_sise' does not exist\. Did you mean 'model\.random\.hidden_size'"),
+    ("model.random.hidden_sise = 3",
+     r"'model\.random\.hidden_sise' does not exist\. Did you mean 'model\.random\.hidden_size'"),
     ("train.steps = 5.5", r"config\.train\.steps=5\.5: the field holds a whole number"),
     ("train.steps = 'ten'", r"config\.train\.steps='ten' has type str"),
     ("train.steps = ", r"Unable to parse"),

@@ -42,9 +42,9 @@ def test_fresh_adapters_leave_the_model_unchanged_and_the_base_is_the_model_with
   assert set(adapters["layers"]["attn"]) == {f"{n}_lora_{ab}" for n in "qkvo" for ab in "ab"}
   assert all(float(jnp.abs(b).max()) == 0.0 for k, b in adapters["layers"]["mlp"].items() if k.endswith("_b"))
   tokens, mask, pos = batch(c)
-  plain, _ = apply_model(c.replace(lora=None), base, tokens, pos, mask)
-  adapted, _ = apply_model(c, lora.join(base, adapters), tokens, pos, mask)
-  off, _ = apply_model(c, base, tokens, pos, mask)   # the KL reference: the tree without adapters
+  plain = apply_model(c.replace(lora=None), base, tokens, pos, mask).logits
+  adapted = apply_model(c, lora.join(base, adapters), tokens, pos, mask).logits
+  off = apply_model(c, base, tokens, pos, mask).logits   # the KL reference: the tree without adapters
   np.testing.assert_array_equal(np.asarray(adapted), np.asarray(plain))
   np.testing.assert_array_equal(np.asarray(off), np.asarray(plain))
 
@@ -55,9 +55,9 @@ def test_merged_kernels_equal_the_adapted_model():
   c = tiny(targets=("q", "v", "o", "down"))
   base, adapters = random_adapters(c)
   tokens, mask, pos = batch(c)
-  adapted, _ = apply_model(c, lora.join(base, adapters), tokens, pos, mask)
-  base_only, _ = apply_model(c, base, tokens, pos, mask)
-  merged, _ = apply_model(c.replace(lora=None), lora.merge(c, base, adapters), tokens, pos, mask)
+  adapted = apply_model(c, lora.join(base, adapters), tokens, pos, mask).logits
+  base_only = apply_model(c, base, tokens, pos, mask).logits
+  merged = apply_model(c.replace(lora=None), lora.merge(c, base, adapters), tokens, pos, mask).logits
   assert float(jnp.abs(adapted - base_only).max()) > 1e-2      # the adapters do change the model
   np.testing.assert_allclose(np.asarray(merged), np.asarray(adapted), atol=1e-5)
 
@@ -88,10 +88,10 @@ def test_dropout_acts_in_the_learner_forward_only():
   base, adapters = random_adapters(c, scale=0.2)
   params = lora.join(base, adapters)
   tokens, mask, pos = batch(c)
-  plain, _ = apply_model(c, params, tokens, pos, mask)
-  dropped, _ = apply_model(c, params, tokens, pos, mask, dropout_rng=jax.random.key(3))
-  again, _ = apply_model(c, params, tokens, pos, mask, dropout_rng=jax.random.key(3))
-  no_dropout, _ = apply_model(c.replace(lora=LoraConfig(rank=4, alpha=8.0)), params, tokens, pos, mask)
+  plain = apply_model(c, params, tokens, pos, mask).logits
+  dropped = apply_model(c, params, tokens, pos, mask, dropout_rng=jax.random.key(3)).logits
+  again = apply_model(c, params, tokens, pos, mask, dropout_rng=jax.random.key(3)).logits
+  no_dropout = apply_model(c.replace(lora=LoraConfig(rank=4, alpha=8.0)), params, tokens, pos, mask).logits
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(no_dropout))   # no key: no dropout
   np.testing.assert_array_equal(np.asarray(dropped), np.asarray(again))      # a key: a fixed mask
   assert float(jnp.abs(dropped - plain).max()) > 1e-3
@@ -225,10 +225,10 @@ def test_lora_run_exports_merged_and_peft_and_rljax_export_agrees(tmp_path):
   base_dir = tmp_path / "base"
   save_pretrained(Policy(config.replace(lora=None), jax.device_get(trainer.state.frozen)), base_dir, dtype="float32")
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 12))
-  want, _ = apply_model(config, trainer.state.model_params(), jnp.asarray(tokens), positions_from_mask(
-      jnp.ones(tokens.shape, bool)))
-  base_logits, _ = apply_model(config, trainer.state.frozen, jnp.asarray(tokens), positions_from_mask(
-      jnp.ones(tokens.shape, bool)))
+  want = apply_model(config, trainer.state.model_params(), jnp.asarray(tokens), positions_from_mask(
+      jnp.ones(tokens.shape, bool))).logits
+  base_logits = apply_model(config, trainer.state.frozen, jnp.asarray(tokens), positions_from_mask(
+      jnp.ones(tokens.shape, bool))).logits
   assert float(jnp.abs(want - base_logits).max()) > 1e-3   # the adapters were trained
   load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
   with torch.no_grad():

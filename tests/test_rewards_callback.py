@@ -88,7 +88,7 @@ def test_io_callback_on_eight_devices(pool):
   np.testing.assert_allclose(np.asarray(components), want.components_matrix())
 
   # (b) the bridge's own sharding constraint, used inside a larger computation.
-  sharded_fn = make_reward_fn(pool, decode, group_size=2, sharding=batch_sharding)
+  sharded_fn = make_reward_fn(pool, decode, group_size=2, mesh=batch_sharding.mesh)
   sharded_fn.set_batch(examples, step=2)
 
   @jax.jit

@@ -13,7 +13,7 @@ import pytest
 
 from rljax.errors import ConfigError
 from rljax.rl import (LossConfig, combine_metrics, compute_advantages, kl_penalty,
-                      make_denominators, policy_loss, soft_overlong_penalty)
+                      make_denominators, policy_loss)
 
 P, G, T = 2, 4, 8
 LENGTHS = [8, 3, 5, 1, 6, 2, 7, 4]
@@ -340,15 +340,25 @@ def test_gradients_finite_with_garbage_padding():
     assert np.all(np.isfinite(g)) and np.all(g[off] == 0)
 
 
-def test_combine_metrics_reductions():
-  a = {"x": jnp.float32(1.0), "y_max": jnp.float32(2.0), "z_min": jnp.float32(3.0)}
-  b = {"x": jnp.float32(0.5), "y_max": jnp.float32(5.0), "z_min": jnp.float32(1.0)}
-  out = combine_metrics(a, b)
-  assert [float(out[k]) for k in ("x", "y_max", "z_min")] == [1.5, 5.0, 1.0]
+def test_metrics_combine_by_their_declared_reduction():
+  """A metric combines by the reduction it was declared with, whatever its name; Metrics pass
+  through jit and scan as pytrees; over updates, sums become means."""
+  from rljax.rl import Metrics
 
+  def part(x, hi, lo):
+    m = Metrics({"x": jnp.float32(x)})
+    m.add("hi", jnp.float32(hi), "max")
+    m.add("lo", jnp.float32(lo), "min")
+    return m
 
-def test_soft_overlong_penalty():
-  pen = soft_overlong_penalty(jnp.array([10, 12, 14, 16, 20]), max_len=16, buffer=4)
-  np.testing.assert_allclose(np.asarray(pen), [0.0, 0.0, -0.5, -1.0, -1.0])
-  with pytest.raises(ConfigError, match="buffer"):
-    soft_overlong_penalty(jnp.array([1]), max_len=16, buffer=0)
+  out = combine_metrics(combine_metrics({}, part(1.0, 2.0, 3.0)), part(0.5, 5.0, 1.0))
+  assert [float(out[k]) for k in ("x", "hi", "lo")] == [1.5, 5.0, 1.0]
+  assert out.reduction("hi") == "max" and out.with_values(hi=jnp.float32(0.0)).reduction("hi") == "max"
+  _, stacked = jax.lax.scan(lambda c, i: (c, part(i, i, -i)), 0.0, jnp.arange(3.0))
+  micro, updates = stacked.reduce_stacked("micro_batches"), stacked.reduce_stacked("updates")
+  assert [float(micro[k]) for k in ("x", "hi", "lo")] == [3.0, 2.0, -2.0]
+  assert [float(updates[k]) for k in ("x", "hi", "lo")] == [1.0, 2.0, -2.0]
+  ident = jax.jit(lambda m: m.identity())(part(1.0, 1.0, 1.0))
+  assert [float(ident[k]) for k in ("x", "hi", "lo")] == [0.0, -np.inf, np.inf]
+  with pytest.raises(ValueError, match="reduction"):
+    Metrics({"x": 1.0}).add("y", 1.0, "median")

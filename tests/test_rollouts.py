@@ -115,6 +115,10 @@ def verifier_module(tmp_path, monkeypatch):
       import os, signal, time
       from rljax.configs.smoke import vowel_fraction
 
+      def slow_vowel_fraction(completion, example, delay_s=0.0):
+        time.sleep(delay_s)
+        return vowel_fraction(completion, example)
+
       def kills_its_pool_once(completion, example, marker=""):
         # The first call SIGKILLs the pool's zygote (this worker's parent); the worker dies with it.
         if marker and not os.path.exists(marker):
@@ -142,12 +146,12 @@ def test_async_staleness_bound_holds_under_a_slow_learner(tmp_path):
   assert trainer.runner.counts == {"batches_generated": steps, "batches_trained": steps, "batches_dropped": 0}
 
 
-def test_async_staleness_bound_holds_under_a_slow_verifier(tmp_path):
+def test_async_staleness_bound_holds_under_a_slow_verifier(tmp_path, verifier_module):
   """Scoring is the bottleneck: the learner waits, samples stay within the bound."""
   steps = 4
   cfg = smoke(tmp_path, "rollout.mode='async'", "rollout.max_staleness=1", f"train.steps={steps}",
               "rewards.num_workers=2")
-  cfg.rewards.components = [dict(name="vowels", verifier="rljax.configs.smoke:slow_vowel_fraction", weight=1.0,
+  cfg.rewards.components = [dict(name="vowels", verifier=f"{verifier_module}:slow_vowel_fraction", weight=1.0,
                                  kwargs=dict(delay_s=0.02))]   # 64 items on 2 workers: ~0.7 s per batch
   got, _, trainer = run_steps(cfg, steps)
   assert all(0 <= m["rollout/staleness"] <= 1 for m in got)

@@ -140,7 +140,7 @@ def _learner_logprobs(config, params, out: SampleOutput, temperature):
   width = out.prompt_ids.shape[1]
   seq = jnp.concatenate([out.prompt_ids, out.tokens], axis=1)
   seq_mask = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
-  hidden, _ = apply_model(config, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True)
+  hidden = apply_model(config, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True).hidden
   hidden = hidden[:, width - 1:width - 1 + out.tokens.shape[1]]
   return chunked_logprobs(hidden, output_kernel(config, params), out.tokens, temperature=temperature, chunk_size=40)
 
@@ -259,7 +259,7 @@ def test_sampler_frequencies_end_to_end(models):
   ids, mask = _ragged(lengths=(4,))
   sp = SamplingParams(num_samples=4000, max_new_tokens=1, temperature=1.3, top_p=0.7)
   out = jax.jit(sample, static_argnums=(0, 4, 6))(config, params, ids, mask, sp, jax.random.key(7), ())
-  logits = np.asarray(apply_model(config, params, ids, positions_from_mask(mask), mask)[0][0, -1], np.float64)
+  logits = np.asarray(apply_model(config, params, ids, positions_from_mask(mask), mask).logits[0, -1], np.float64)
   scaled = logits / 1.3
   keep = _reference_keep(scaled, 0, 0.7, 0.0)
   probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)

@@ -28,8 +28,7 @@ _EXPORTS = {
     "loading": ("DEFAULT_RECIPE", "build_config", "load_config_file", "resolve_config"),
     "overrides": ("apply_overrides", "parse_value", "set_field", "split_config_args", "split_gin_args"),
     "schema": ("SCHEMA", "Field", "Section", "base_config", "field_help", "flatten", "lock", "to_json"),
-    "validation": ("ASYNC_ONLY", "MODEL_DTYPES", "PARTIAL_ONLY", "PROXIMAL", "ROLLOUT_MODES", "TOOL_FORMATS",
-                   "validate"),
+    "validation": ("MODEL_DTYPES", "PROXIMAL", "ROLLOUT_MODES", "TOOL_FORMATS", "validate"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

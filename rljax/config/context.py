@@ -15,6 +15,7 @@ import ml_collections
 from rljax import gguf_file
 from rljax.errors import ConfigError
 from rljax.models import builtin
+from rljax.models.rope import hf_context_length
 
 # The context of a random model (model.path="random"): the setup builds its ModelConfig with it.
 RANDOM_MODEL_CONTEXT = 4096
@@ -31,7 +32,8 @@ def check_model_fits(c: ml_collections.ConfigDict, max_position_embeddings: int,
 
 
 def model_context_length(model_cfg) -> int | None:
-  """The model's context (max_position_embeddings) read without loading its weights, or None.
+  """The model's context (`ModelConfig.context_length`: max_position_embeddings, or YaRN's scaled
+  context) read without loading its weights, or None.
 
   An HF directory's config.json, a GGUF file's (or built-in name's) `<arch>.context_length`
   header entry, RANDOM_MODEL_CONTEXT for "random". Anything it cannot read cheaply is left to the
@@ -44,7 +46,7 @@ def model_context_length(model_cfg) -> int | None:
     if os.path.isdir(path):
       with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         hf = json.load(f)
-      return int(hf.get("max_position_embeddings", 2048))
+      return hf_context_length(hf)   # RoPE scaling (YaRN) included
     if not os.path.isfile(path):
       if not builtin.is_builtin(path):
         return None

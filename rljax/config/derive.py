@@ -13,6 +13,7 @@ import ml_collections
 from rljax.errors import ConfigError
 from rljax.models.config import LoraConfig
 from rljax.rl.config import PRESETS, LossConfig
+from rljax.trainer import modes
 
 # Off-policy modes correct with truncated IS against the sampler; this cap is used unless rl.tis_cap is set.
 DEFAULT_OFF_POLICY_TIS_CAP = 2.0
@@ -27,11 +28,9 @@ def dynamic_oversample(c: ml_collections.ConfigDict) -> int:
 
 
 def max_staleness(c: ml_collections.ConfigDict) -> int:
-  """The staleness bound in effect: 0 in fused mode, the configured value or 1 otherwise."""
-  r = c.rollout
-  if r.mode == "fused":
-    return 0
-  return 1 if r.max_staleness == -1 else r.max_staleness
+  """The staleness bound in effect: 0 in an on-policy mode (fused), else the configured value or the
+  mode's default (rljax/trainer/modes.py)."""
+  return modes.get(c.rollout.mode).staleness(c.rollout.max_staleness)
 
 
 def recompute_old_logprobs(c: ml_collections.ConfigDict) -> bool:

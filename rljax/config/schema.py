@@ -16,8 +16,10 @@ from typing import Any, Mapping
 import ml_collections
 
 from rljax.data.config import SOURCE_KINDS
-from rljax.models.config import ARCHITECTURES, ATTENTION_IMPLS
+from rljax.models import families
+from rljax.models.config import ATTENTION_IMPLS
 from rljax.rl.config import PRESETS, LossConfig
+from rljax.trainer import modes
 from rljax.trainer.optim import SCHEDULES
 
 
@@ -103,7 +105,7 @@ SCHEMA = Section(
             num_heads=Field(4, "query heads"),
             num_kv_heads=Field(2, "key/value heads (grouped-query attention when fewer than num_heads)"),
             head_dim=Field(16, "dimension of each attention head"),
-            architecture=Field("llama", "model family: " + " | ".join(ARCHITECTURES)),
+            architecture=Field("llama", "model family: " + " | ".join(families.names())),
             tie_word_embeddings=Field(True, "the output projection is the embedding matrix"),
             seed=Field(0, "seed of the random initialisation"),
         ),
@@ -118,6 +120,8 @@ SCHEMA = Section(
         prompt_template=Field("{prompt}", "the user message; {prompt} is the example's prompt"),
         max_prompt_tokens=Field(128, "prompts longer than this (in tokens, after the chat template) are filtered out"),
         on_malformed=Field("skip", "an example the source cannot parse: skip (and count it) or raise"),
+        max_line_bytes=Field(16 << 20, "a JSONL line longer than this (bytes) is a malformed row, never read "
+                                       "into memory"),
         shuffle=Field(True, "shuffle the examples (each epoch)"),
         seed=Field(0, "seed of the shuffle and of procedural sources"),
         num_epochs=Field(None, "passes over the data before the run stops; None cycles forever"),
@@ -186,7 +190,7 @@ SCHEMA = Section(
     ),
     rollout=Section(
         "How generation, scoring and updates are scheduled (docs/rollouts.md).",
-        mode=Field("fused", "fused | pipelined | async | partial"),
+        mode=Field("fused", " | ".join(modes.MODES) + " (docs/rollouts.md)"),
         max_staleness=Field(-1, "policy versions a sample may lag; -1 = the mode's default (1)"),
         proximal=Field("recompute", "off-policy lp_old: recompute (decoupled PPO) | sampler (PPO on behaviour)"),
         generator_devices=Field(0, "async: devices of the generator part of the mesh (0 = half)"),

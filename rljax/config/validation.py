@@ -2,9 +2,14 @@
 
 Every check raises ConfigError naming the field (`config.train.steps=...`) and the fix. The
 lists of allowed values come from their owners (attention backends from rljax.models.config,
-tool formats from rljax.tools, schedules from rljax.trainer.optim).
+tool formats from rljax.tools, schedules from rljax.trainer.optim, rollout modes and what each
+supports from the registry rljax.trainer.modes).
 """
 from __future__ import annotations
+
+import json
+import math
+import os
 
 import ml_collections
 
@@ -13,13 +18,13 @@ from rljax.config.schema import base_config
 from rljax.data.config import eval_reads_training_data
 from rljax.errors import ConfigError
 from rljax.models.config import ATTENTION_IMPLS
+from rljax.rewards.spec import RewardSpec
 from rljax.tools.parsing import FORMATS as TOOL_FORMATS
+from rljax.trainer import modes
 from rljax.trainer.optim import SCHEDULES
 
-ROLLOUT_MODES = ("fused", "pipelined", "async", "partial")
+ROLLOUT_MODES = tuple(modes.MODES)
 PROXIMAL = ("recompute", "sampler")   # the off-policy modes' lp_old (docs/rollouts.md)
-ASYNC_ONLY = ("generator_devices", "sync_every", "queue_size")   # rollout fields only the async mode reads
-PARTIAL_ONLY = ("oversample",)                                    # rollout fields only the partial mode reads
 # The compute dtypes a run trains in (ModelConfig also takes float16, for inference).
 MODEL_DTYPES = ("float32", "bfloat16")
 
@@ -31,6 +36,7 @@ def _positive(c, path: str, value, allow_zero=False):
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Checks types, ranges and contradictions; raises ConfigError naming the field and the fix."""
+  _validate_finite(c)
   s, t, o = c.sampling, c.train, c.optim
   _positive(c, "sampling.num_samples", s.num_samples)
   _positive(c, "sampling.max_new_tokens", s.max_new_tokens)
@@ -81,6 +87,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.eval.samples < 1:
     raise ConfigError(f"config.eval.samples={c.eval.samples} must be >= 1.")
   _validate_eval_data(c)
+  _validate_lora_rank(c)
+  _validate_batch_axes(c)
+  _validate_rewards(c)
 
 
 def _validate_group_size(c: ml_collections.ConfigDict) -> None:
@@ -139,32 +148,40 @@ def _validate_slots(c: ml_collections.ConfigDict) -> None:
         "its own history; size that batch with rollout.oversample. Leave sampling.slots=0.")
 
 
+def _names(names) -> str:
+  return " or ".join(repr(n) for n in names)
+
+
 def _validate_rollout(c: ml_collections.ConfigDict) -> None:
+  """config.rollout against what its mode declares it supports (rljax/trainer/modes.py)."""
   r = c.rollout
-  if r.mode not in ROLLOUT_MODES:
-    raise ConfigError(f"config.rollout.mode={r.mode!r} is not one of {ROLLOUT_MODES}.")
+  mode = modes.get(r.mode)
+  off_policy = [m.name for m in modes.MODES.values() if not m.on_policy_only]
   if not isinstance(r.max_staleness, int) or r.max_staleness < -1:
     raise ConfigError(f"config.rollout.max_staleness={r.max_staleness!r} must be an integer >= 0 "
                       "(or -1 for the mode's default).")
-  if r.mode == "fused" and r.max_staleness not in (-1, 0):
-    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness} has no effect in rollout.mode='fused' "
-                      "(always on-policy): set rollout.mode='pipelined' or 'async', or leave max_staleness=-1.")
+  if mode.on_policy_only and r.max_staleness not in (-1, 0):
+    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness} has no effect in rollout.mode={mode.name!r} "
+                      f"(always on-policy): set rollout.mode={_names(off_policy)}, or leave max_staleness=-1.")
   if r.proximal not in PROXIMAL:
     raise ConfigError(f"config.rollout.proximal={r.proximal!r} is not one of {PROXIMAL}.")
-  if r.mode == "fused" and r.proximal != "recompute" and c.model.dtype == "float32":
-    raise ConfigError(f"config.rollout.proximal={r.proximal!r} has no effect in rollout.mode='fused' with "
-                      "model.dtype='float32' (lp_old is the sampler's there): set rollout.mode='pipelined' or "
-                      "'async', or leave it. (In bfloat16 the fused mode recomputes lp_old; 'sampler' turns that off.)")
-  if r.mode == "pipelined" and r.max_staleness > 1:
-    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness}: the pipelined mode runs at most one "
-                      "step off-policy (0 or 1); use rollout.mode='async' for more.")
+  if mode.on_policy_only and r.proximal != "recompute" and c.model.dtype == "float32":
+    raise ConfigError(f"config.rollout.proximal={r.proximal!r} has no effect in rollout.mode={mode.name!r} with "
+                      f"model.dtype='float32' (lp_old is the sampler's there): set rollout.mode={_names(off_policy)}, "
+                      f"or leave it. (In bfloat16 the {mode.name} mode recomputes lp_old; 'sampler' turns that off.)")
+  if mode.max_staleness is not None and r.max_staleness > mode.max_staleness:
+    further = [m.name for m in modes.MODES.values() if m.max_staleness is None]
+    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness}: the {mode.name} mode runs at most "
+                      f"{'one step' if mode.max_staleness == 1 else f'{mode.max_staleness} steps'} off-policy "
+                      f"(0 to {mode.max_staleness}); use rollout.mode={_names(further)} for more.")
+  # A field that only other modes read must stay at its default: set, it would be ignored.
   defaults = base_config().rollout
-  if r.mode != "partial":
-    for name in PARTIAL_ONLY:
-      if r[name] != defaults[name]:
-        raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode='partial' "
-                          f"(got {r.mode!r}): set rollout.mode='partial' or leave it at {defaults[name]}.")
-  else:
+  for other in modes.MODES.values():
+    for name in other.own_fields:
+      if name not in mode.own_fields and r[name] != defaults[name]:
+        raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode={other.name!r} "
+                          f"(got {r.mode!r}): set rollout.mode={other.name!r} or leave it at {defaults[name]}.")
+  if mode.name == "partial":
     _positive(c, "rollout.oversample", r.oversample)
     if r.oversample < 2:
       raise ConfigError(f"config.rollout.oversample={r.oversample}: the partial mode generates more groups than it "
@@ -175,20 +192,15 @@ def _validate_rollout(c: ml_collections.ConfigDict) -> None:
     if c.sampling.ignore_eos:
       raise ConfigError("config.sampling.ignore_eos with rollout.mode='partial': every completion would run to "
                         "max_new_tokens, so there is nothing to carry over; set ignore_eos=False.")
-  if r.mode != "async":
-    for name in ASYNC_ONLY:
-      if r[name] != defaults[name]:
-        raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode='async' "
-                          f"(got {r.mode!r}): set rollout.mode='async' or leave it at {defaults[name]}.")
-    return
-  _positive(c, "rollout.sync_every", r.sync_every)
-  _positive(c, "rollout.queue_size", r.queue_size)
-  _positive(c, "rollout.generator_devices", r.generator_devices, allow_zero=True)
-  if r.sync_every > max_staleness(c) + 1:
-    raise ConfigError(
-        f"config.rollout.sync_every={r.sync_every} with max_staleness={max_staleness(c)} would stall: a "
-        "generator waits for parameters no older than max_staleness versions, which arrive every sync_every "
-        "updates. Set sync_every <= max_staleness + 1.")
+  if mode.splits_devices:
+    _positive(c, "rollout.sync_every", r.sync_every)
+    _positive(c, "rollout.queue_size", r.queue_size)
+    _positive(c, "rollout.generator_devices", r.generator_devices, allow_zero=True)
+    if r.sync_every > max_staleness(c) + 1:
+      raise ConfigError(
+          f"config.rollout.sync_every={r.sync_every} with max_staleness={max_staleness(c)} would stall: a "
+          "generator waits for parameters no older than max_staleness versions, which arrive every sync_every "
+          "updates. Set sync_every <= max_staleness + 1.")
 
 
 def _validate_tools(c: ml_collections.ConfigDict) -> None:
@@ -210,10 +222,11 @@ def _validate_tools(c: ml_collections.ConfigDict) -> None:
   _positive(c, "tools.num_workers", tl.num_workers, allow_zero=True)
   if not tl.timeout_s > 0:
     raise ConfigError(f"config.tools.timeout_s={tl.timeout_s!r} must be > 0.")
-  if c.rollout.mode != "pipelined":
+  if not modes.get(c.rollout.mode).tools:
+    able = [m.name for m in modes.MODES.values() if m.tools]
     raise ConfigError(f"config.tools.enabled with rollout.mode={c.rollout.mode!r}: multi-turn rollouts alternate "
-                      "compiled decode segments with host tool calls, so they run as the pipelined mode's producer; "
-                      "set rollout.mode='pipelined' (with rollout.max_staleness=0 for on-policy updates).")
+                      "compiled decode segments with host tool calls, which that mode's runner does not do; "
+                      f"set rollout.mode={_names(able)} (with rollout.max_staleness=0 for on-policy updates).")
   if c.sampling.ignore_eos:
     raise ConfigError("config.tools.enabled with sampling.ignore_eos=True: a trajectory must be able to end; "
                       "set sampling.ignore_eos=False.")
@@ -235,3 +248,80 @@ def _validate_packing(c: ml_collections.ConfigDict) -> None:
   if loss_config(c).agg == "prompt-mean":
     raise ConfigError("config.rl.agg='prompt-mean' with train.pack_tokens: a packed block may hold part of a "
                       "group, and prompt-mean needs whole groups; set train.pack_tokens=0 or another rl.agg.")
+
+
+# ---- limits that would fail late (issue 37): non-finite numbers, LoRA rank, the reward spec ----------
+
+
+def _leaves(value, path: str):
+  if isinstance(value, dict):
+    for k, v in value.items():
+      yield from _leaves(v, f"{path}.{k}" if path else str(k))
+  elif isinstance(value, (list, tuple)):
+    for i, v in enumerate(value):
+      yield from _leaves(v, f"{path}[{i}]")
+  else:
+    yield path, value
+
+
+def _validate_finite(c: ml_collections.ConfigDict) -> None:
+  """No field may be inf or NaN (e.g. optim.learning_rate=1e999 parses as inf): no setting means
+  "unlimited" that way, and each one would fail or poison the run later."""
+  for path, value in _leaves(c.to_dict(), ""):
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f"config.{path}={value!r} must be a finite number (a literal such as 1e999 overflows to "
+                        "inf); give a real value.")
+
+
+def _model_hidden_size(c: ml_collections.ConfigDict) -> tuple[int, str] | None:
+  """The model's hidden size and where it comes from, when known without loading anything heavy."""
+  if c.model.path == "random":
+    return int(c.model.random.hidden_size), "config.model.random.hidden_size"
+  path = os.path.join(os.path.expanduser(str(c.model.path)), "config.json")
+  try:
+    with open(path) as f:
+      hf = json.load(f)
+  except (OSError, ValueError):
+    return None  # a hub name, a GGUF file, ...: the model load checks its own shapes
+  hf = hf.get("text_config", hf) if isinstance(hf, dict) else {}
+  size = hf.get("hidden_size") if isinstance(hf, dict) else None
+  return (int(size), path) if isinstance(size, int) else None
+
+
+def _validate_lora_rank(c: ml_collections.ConfigDict) -> None:
+  lc = lora_config(c)
+  known = _model_hidden_size(c) if lc is not None else None
+  if known is not None and lc.rank > known[0]:
+    raise ConfigError(f"config.model.lora.rank={lc.rank} is larger than the model's hidden size ({known[0]}, from "
+                      f"{known[1]}): the adapted projections are at most that wide, so a larger rank only adds "
+                      "parameters. Use a rank below it (8-64 are usual).")
+
+
+def _validate_batch_axes(c: ml_collections.ConfigDict) -> None:
+  """An explicit data axis must divide the prompts of a step (else every data slice samples every
+  prompt; across processes the reward callback would get rows whose examples live elsewhere)."""
+  data = tuple(c.mesh.shape)[0]
+  if isinstance(data, int) and data > 1 and c.train.prompts_per_step % data:
+    raise ConfigError(f"config.train.prompts_per_step={c.train.prompts_per_step} is not divisible by the data axis "
+                      f"of config.mesh.shape={tuple(c.mesh.shape)} ({data}): the prompts cannot be split over it. "
+                      f"Make prompts_per_step a multiple of {data}, or change mesh.shape.")
+
+
+def check_batch_mesh(c: ml_collections.ConfigDict, mesh, process_count: int) -> None:
+  """Once the mesh exists (its -1 resolved): with several processes, the prompts of a step must
+  split over the data and fsdp axes, so that each process's devices hold exactly the prompts its
+  data shard reads (the reward callback scores them against that shard's examples)."""
+  batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+  if process_count > 1 and c.train.prompts_per_step % batch:
+    raise ConfigError(f"config.train.prompts_per_step={c.train.prompts_per_step} is not divisible by the mesh's data "
+                      f"x fsdp size ({batch}, mesh.shape={tuple(c.mesh.shape)} on {mesh.devices.size} devices) in a "
+                      f"run of {process_count} processes: make it a multiple of {batch}.")
+
+
+def _validate_rewards(c: ml_collections.ConfigDict) -> None:
+  """The reward spec as the pool will read it (rljax.rewards.RewardSpec): fields, verifiers, their
+  kwargs and signatures, time limits; no worker is started."""
+  try:
+    RewardSpec.from_dict(c.rewards.to_dict())
+  except ConfigError as e:
+    raise ConfigError(f"config.{e}") from None

@@ -41,10 +41,3 @@ def vowel_fraction(completion: str, example) -> float:
   letters = [ch for ch in completion.lower() if ch.isalpha()]
   return sum(ch in "aeiou" for ch in letters) / len(letters) if letters else 0.0
 
-
-def slow_vowel_fraction(completion: str, example, delay_s: float = 0.0) -> float:
-  """vowel_fraction after `delay_s` seconds of waiting: a verifier with latency (a remote judge, a
-  test run) for the rollout-mode benchmark and tests (scripts/bench_rollouts.py)."""
-  import time
-  time.sleep(delay_s)
-  return vowel_fraction(completion, example)

@@ -23,6 +23,7 @@ import numpy as np
 from rljax.data.formats import Example
 from rljax.data.pipeline import Malformed, PromptDataset
 from rljax.errors import ConfigError, DataError
+from rljax.models import families
 from rljax.padding import left_pad
 
 STATE_VERSION = 1
@@ -76,15 +77,12 @@ def render_prompt(example: Example, tokenizer: Any, chat_template: bool, tools: 
   return "\n\n".join(m["content"] for m in messages)
 
 
-BOS_FIRST_ARCHITECTURES = ("gemma2", "gemma3")   # models whose prompts must start with <bos>
-
-
 def check_bos(architecture: str, tokenizer: Any, chat_template: bool) -> None:
-  """Gemma's prompts must start with its BOS token (the model is trained with it first; its chat
-  template writes `{{ bos_token }}`, and prompts are encoded without adding special tokens).
-  Raises ConfigError, naming the field to change, when the prompts rljax renders for a model of
-  `architecture` would lack it. Other architectures: nothing to check."""
-  if architecture not in BOS_FIRST_ARCHITECTURES:
+  """The prompts of a family with `bos_first` (Gemma) must start with its BOS token (the model is
+  trained with it first; its chat template writes `{{ bos_token }}`, and prompts are encoded
+  without adding special tokens). Raises ConfigError, naming the field to change, when the prompts
+  rljax renders for a model of `architecture` would lack it. Other families: nothing to check."""
+  if not families.get(architecture).bos_first:
     return
   bos = getattr(tokenizer, "bos_id", None)
   if bos is None:

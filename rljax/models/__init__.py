@@ -1,4 +1,5 @@
-"""Decoder models (Llama, Qwen2, Qwen3, Gemma 2, Gemma 3 families) and their weight I/O."""
+"""Decoder models (one module per family under rljax/models/families/) and their weight I/O."""
 from rljax.models.config import LoraConfig, ModelConfig, RopeScaling
+from rljax.models.outputs import ModelOutput
 from rljax.models.policy import Policy, apply_model, init_params, output_kernel, param_logical_axes, param_shardings
 from rljax.models.transformer import KVCache, Transformer, positions_from_mask

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rljax import sharding as shd
 from rljax.errors import ConfigError
 from rljax.models.config import ATTENTION_IMPLS as IMPLEMENTATIONS
 
@@ -345,6 +346,7 @@ def _cudnn(q, k, v, token_mask, segment_ids, implementation: str = "cudnn", scal
 @functools.lru_cache(maxsize=32)
 def _splash_kernel(length: int, heads: int, block: int, interpret: bool):
   """A causal splash-attention kernel for [H, T, Dh] queries and [K, T, Dh] keys (GQA built in)."""
+  # Function-local: the Pallas TPU kernels are imported only by the runs that use them (start-up time).
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
   mask = sa.MultiHeadMask([sa.CausalMask((length, length))] * heads)
   sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
@@ -378,7 +380,7 @@ def _splash(q, k, v, token_mask, segment_ids, block, interpret, scale=None):
   vt = _pad_axis(v.transpose(0, 2, 1, 3), tp, 2)
 
   def run(qh, kt, vt, seg):
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa   # as in _splash_kernel
     kernel = _splash_kernel(tp, qh.shape[1], blk, interpret)
     one = lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=sa.SegmentIds(s1, s1))
     return jax.vmap(one)(qh, kt, vt, seg)
@@ -402,7 +404,6 @@ def target_platform() -> str:
 
 def _context_mesh():
   """The mesh programs are traced under: rljax's `sharding.activate`, else `jax.sharding.set_mesh`."""
-  from rljax import sharding as shd
   mesh = shd.active_mesh()
   if mesh is None:
     abstract = jax.sharding.get_abstract_mesh()
@@ -413,7 +414,6 @@ def _context_mesh():
 def _shard_batch_and_heads(fn, mesh, batch: int, kv_heads: int):
   """`fn(q [B, H, T, Dh], k [B, K, T, Dh], v, seg [B, T])` under shard_map, B and K sharded as the
   default logical-axis rules say (batch over data and fsdp, KV heads over tensor) where they divide."""
-  from rljax import sharding as shd
   bs = hs = None  # a mesh with other axis names: replicated (each device runs the whole kernel)
   if set(shd.MESH_AXES) <= set(mesh.axis_names):
     bs, hs = shd.logical_to_spec(("batch", "kv_heads"), (batch, kv_heads), mesh)

@@ -1,4 +1,4 @@
-"""Reading llama.cpp GGUF checkpoints (Llama, Qwen2, Qwen3 architectures).
+"""Reading llama.cpp GGUF checkpoints (the families with `gguf_architectures`: Llama, Qwen2, Qwen3).
 
 A GGUF file holds metadata (`llama.block_count`, `tokenizer.ggml.tokens`, ...) and
 tensors named the llama.cpp way (`token_embd.weight`, `blk.N.attn_q.weight`, ...),
@@ -9,10 +9,10 @@ numpy arrays in HF layout ([out, in] for linear weights).
 Three llama.cpp conventions are undone here:
 
 - quantized tensors are dequantized with `gguf.quants.dequantize` (float32);
-- for the `llama` architecture, llama.cpp's converter permutes the rows of q/k
-  projections (and biases) so its interleaved-pair RoPE matches HF's half-split
-  RoPE; `unpermute_qk` inverts that. Qwen2/Qwen3 use NeoX-style RoPE in llama.cpp
-  and are stored unpermuted;
+- for the `llama` architecture (`Family.gguf_permuted_qk`), llama.cpp's converter
+  permutes the rows of q/k projections (and biases) so its interleaved-pair RoPE
+  matches HF's half-split RoPE; `unpermute_qk` inverts that. Qwen2/Qwen3 use
+  NeoX-style RoPE in llama.cpp and are stored unpermuted;
 - Llama 3 RoPE scaling is stored as a `rope_freqs.weight` tensor of per-frequency
   divisors rather than as metadata; `rope_scaling_from_freqs` recovers the
   equivalent `RopeScaling` (and checks that it reproduces the tensor).
@@ -28,42 +28,27 @@ import numpy as np
 
 from rljax import gguf_file
 from rljax.errors import WeightsError
-from rljax.models.config import ModelConfig, RopeScaling
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+from rljax.models import families
+from rljax.models.config import ModelConfig
+from rljax.models.rope import RopeScaling
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-  """llama.cpp tensor name -> HF name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)."""
+def gguf_to_hf_name(name: str, layer_names) -> str | None:
+  """llama.cpp tensor name -> HF name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`),
+  per-layer names by the family's `gguf_layer_names`."""
   if name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[name]
   m = _BLOCK.match(name)
-  if m and m.group(2) in _LAYER_NAMES:
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+  if m and m.group(2) in layer_names:
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
   return None
 
 
@@ -156,16 +141,14 @@ class GGUFCheckpoint:
     except Exception as e:  # the reader raises ValueError, struct/numpy errors, etc. on corrupt files
       raise WeightsError(f"{self.path}: not a valid GGUF file ({type(e).__name__}: {e}).") from None
     self.architecture = self._string("general.architecture")
-    if self.architecture not in SUPPORTED_ARCHITECTURES:
-      raise WeightsError(f"{self.path}: GGUF architecture {self.architecture!r} is not supported; rljax supports "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+    self.family = families.for_gguf(self.architecture, self.path)
     self._tensors: dict[str, Any] = {}
     rope_freqs = None
     for t in self._reader.tensors:
       if t.name == _ROPE_FREQS:
         rope_freqs = t
         continue
-      hf = gguf_to_hf_name(t.name)
+      hf = gguf_to_hf_name(t.name, self.family.gguf_layer_names)
       if hf is None:
         raise WeightsError(f"{self.path}: unexpected tensor {t.name!r} for architecture {self.architecture!r}; "
                            "this GGUF variant is not supported.")
@@ -199,12 +182,23 @@ class GGUFCheckpoint:
     return int(v)
 
   def _build_config(self, rope_freqs) -> ModelConfig:
+    """The llama.cpp metadata every architecture writes the same way; the family adds its switches.
+    Metadata that would change the computation and that rljax does not implement is refused."""
     a = self.architecture
     hidden = self._int(f"{a}.embedding_length")
     heads = self._int(f"{a}.attention.head_count")
     kv_heads = self._int(f"{a}.attention.head_count_kv", heads)
     head_dim = self._int(f"{a}.attention.key_length",
                          self.value(f"{a}.rope.dimension_count", hidden // heads if heads else 0))
+    for key in (f"{a}.attention.value_length", f"{a}.rope.dimension_count"):
+      if self.value(key) is not None and self._int(key) != head_dim:
+        raise WeightsError(f"{self.path}: metadata {key}={self._int(key)} differs from the head dimension "
+                           f"{head_dim} ({a}.attention.key_length); partial rotary embeddings and value heads of "
+                           "another width are not supported.")
+    for key in (f"{a}.expert_count", f"{a}.attention.sliding_window"):
+      if self.value(key) not in (None, 0):
+        raise WeightsError(f"{self.path}: metadata {key}={self.value(key)!r} is not supported; rljax's {a} is a "
+                           "dense model with full attention in every layer.")
     theta = float(self.value(f"{a}.rope.freq_base", 10000.0))
     scaling_type = self.value(f"{a}.rope.scaling.type", "none")
     if scaling_type not in ("none", None):
@@ -224,8 +218,7 @@ class GGUFCheckpoint:
       raise WeightsError(f"{self.path}: cannot tell the vocabulary size (no tokenizer.ggml.tokens, "
                          f"{a}.vocab_size or token_embd.weight).")
     eos = self.value("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture=a,
+    return self.family.from_gguf(dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=self._int(f"{a}.feed_forward_length"),
@@ -238,12 +231,10 @@ class GGUFCheckpoint:
         rope_scaling=scaling,
         max_position_embeddings=self._int(f"{a}.context_length", 2048),
         tie_word_embeddings="lm_head.weight" not in self._tensors,
-        attention_bias="model.layers.0.self_attn.q_proj.bias" in self._tensors,
-        qk_norm="model.layers.0.self_attn.q_norm.weight" in self._tensors,
         bos_token_id=self.value("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         pad_token_id=self.value("tokenizer.ggml.padding_token_id"),
-    )
+    ), self.path)
 
   # ---- tensors ----------------------------------------------------------------------------
 
@@ -271,7 +262,7 @@ class GGUFCheckpoint:
     if t is None:
       raise WeightsError(f"{self.path}: tensor {hf_name!r} is missing.")
     w = self._dequantize(t)
-    if self.architecture == "llama":
+    if self.family.gguf_permuted_qk:
       c = self.config
       try:
         if ".self_attn.q_proj." in hf_name:

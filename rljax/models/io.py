@@ -24,12 +24,15 @@ from typing import Callable
 
 import jax
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from rljax.errors import WeightsError
-from rljax.models import builtin
+from rljax.models import builtin, families, layouts
 from rljax.models.config import ModelConfig
-from rljax.models.convert import _expected_hf_shapes, _layer_specs, hf_to_params, params_to_hf
-from rljax.models.policy import Policy
+from rljax.models.convert import expected_hf_shapes, hf_to_params, params_to_hf, tensors, tree_get, tree_set
+from rljax.models.gguf_io import open_gguf
+from rljax.models.policy import Policy, param_shardings
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -91,7 +94,6 @@ class _SafetensorsCheckpoint:
   """HF-named tensors of a directory's `model.safetensors`, or its shards listed by the index."""
 
   def __init__(self, directory: str):
-    from safetensors import safe_open
     single = os.path.join(directory, SAFETENSORS_FILE)
     index = os.path.join(directory, SAFETENSORS_INDEX)
     if os.path.isfile(single):
@@ -152,32 +154,23 @@ class _SafetensorsCheckpoint:
 
 def _check_shapes(config: ModelConfig, names, shape_of: Callable[[str], tuple], file_of: Callable[[str], str],
                   config_source: str) -> None:
-  """Fails early, naming the file, if a tensor the config needs is missing or mis-shaped."""
-  expected = _expected_hf_shapes(config)
-  extra = sorted(n for n in names if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
+  """Fails early, naming the file, if a tensor the config needs is missing or mis-shaped, or if the
+  checkpoint holds a tensor the model would not use (a variant rljax does not implement)."""
+  expected = expected_hf_shapes(config)
+  family = families.get(config.architecture)
+  extra = sorted(n for n in names if n not in expected and not family.ignored_hf_tensor(config, n))
   if extra:
     raise WeightsError(f"{file_of(extra[0])}: tensor {extra[0]!r} is not part of rljax's {config.architecture} model "
                        f"({len(extra)} such tensors); this checkpoint variant (e.g. mlp_bias, o_proj bias) is not "
                        "supported.")
-  needed = [n for n in expected if n in names or _required(config, n)]
-  for name in needed:
+  for name, want in expected.items():
     if name not in names:
       raise WeightsError(f"{file_of(name)}: tensor {name!r} is missing; the weights do not match {config_source} "
                          f"(architecture={config.architecture}, layers={config.num_layers}).")
     shape = tuple(shape_of(name))
-    if shape != expected[name]:
+    if shape != want:
       raise WeightsError(f"{file_of(name)}: tensor {name!r} has shape {shape} but {config_source} implies "
-                         f"{expected[name]}; the config and the weights disagree.")
-
-
-def _required(c: ModelConfig, name: str) -> bool:
-  if name == "lm_head.weight":
-    return not c.tie_word_embeddings
-  if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
-    return c.attention_bias
-  if name.endswith(("q_norm.weight", "k_norm.weight")):
-    return c.qk_norm
-  return True
+                         f"{want}; the config and the weights disagree.")
 
 
 # ---- load ---------------------------------------------------------------------------------------
@@ -200,7 +193,6 @@ def load_pretrained(x: str | os.PathLike, *, dtype: str = "float32", param_dtype
   """
   kind, path = resolve(x)
   if kind == "gguf":
-    from rljax.models.gguf_io import open_gguf
     ckpt = open_gguf(path)
     config, source = ckpt.config, path
     has_tokenizer = ckpt.has("tokenizer.ggml.tokens")
@@ -216,7 +208,6 @@ def load_pretrained(x: str | os.PathLike, *, dtype: str = "float32", param_dtype
     params = jax.device_put(hf_to_params(config, ckpt.get, ckpt.names, source))
   else:
     if shardings is None:
-      from rljax.models.policy import param_shardings
       shardings = param_shardings(config, mesh)
     if kind == "gguf":
       params = _place_whole(config, ckpt.get, shardings)
@@ -230,77 +221,9 @@ def load_pretrained(x: str | os.PathLike, *, dtype: str = "float32", param_dtype
 
 # ---- sharded placement ---------------------------------------------------------------------------
 #
-# Each rljax parameter is a layout transform of HF tensors (convert.py): a kind per parameter
-# says how an index of the rljax array maps to a block of the HF tensor, so a device's shard
-# is read as that block and transformed, never the whole tensor.
-
-_KINDS = {
-    ("attn", "q_kernel"): ("qkv", "heads"), ("attn", "k_kernel"): ("qkv", "kv"), ("attn", "v_kernel"): ("qkv", "kv"),
-    ("attn", "o_kernel"): ("o", "heads"),
-    ("attn", "q_bias"): ("bias", "heads"), ("attn", "k_bias"): ("bias", "kv"), ("attn", "v_bias"): ("bias", "kv"),
-    ("mlp", "gate_kernel"): ("t", None), ("mlp", "up_kernel"): ("t", None), ("mlp", "down_kernel"): ("t", None),
-}
-
-
-def _bounds(index: slice, n: int) -> tuple[int, int]:
-  start, stop, step = index.indices(n)
-  if step != 1:
-    raise WeightsError(f"a strided shard index {index} is not supported by sharded loading.")
-  return start, stop
-
-
-def _read_block(c: ModelConfig, kind: str, heads: str | None, read, name: str, index: tuple) -> np.ndarray:
-  """The block `index` of one layer's rljax array (its layer axis removed) from HF tensor `name`.
-
-  read(name, hf_index) returns that block of the HF tensor. Shapes (rljax <- HF): ident [X] <- [X];
-  t [in, out] <- [out, in]; qkv [D, H, Dh] <- [H*Dh, D]; o [H, Dh, D] <- [D, H*Dh]; bias [H, Dh] <- [H*Dh].
-  """
-  dh = c.head_dim
-  n_heads = c.num_heads if heads == "heads" else c.num_kv_heads
-  if kind == "ident":
-    return read(name, index)
-  if kind == "t":
-    i, o = index
-    return read(name, (o, i)).T
-  if kind == "qkv":
-    d, h, e = index
-    h0, h1 = _bounds(h, n_heads)
-    w = read(name, (slice(h0 * dh, h1 * dh), d))
-    return w.reshape(h1 - h0, dh, -1).transpose(2, 0, 1)[:, :, e]
-  if kind == "o":
-    h, e, d = index
-    h0, h1 = _bounds(h, n_heads)
-    w = read(name, (d, slice(h0 * dh, h1 * dh)))
-    return w.reshape(w.shape[0], h1 - h0, dh).transpose(1, 2, 0)[:, e, :]
-  if kind == "bias":
-    h, e = index
-    h0, h1 = _bounds(h, n_heads)
-    return read(name, (slice(h0 * dh, h1 * dh),)).reshape(h1 - h0, dh)[:, e]
-  raise AssertionError(kind)
-
-
-def _param_sources(c: ModelConfig):
-  """[(rljax path, HF name or per-layer suffix, kind, heads, stacked over layers)] for every parameter."""
-  out = [(("embedding",), "model.embed_tokens.weight", "ident", None, False),
-         (("final_norm", "scale"), "model.norm.weight", "ident", None, False)]
-  if not c.tie_word_embeddings:
-    out.append((("lm_head",), "lm_head.weight", "t", None, False))
-  for path, suffix, _, _ in _layer_specs(c):
-    kind, heads = _KINDS.get(path, ("ident", None))
-    out.append((("layers",) + path, suffix, kind, heads, True))
-  return out
-
-
-def _tree_get(tree, path):
-  for p in path:
-    tree = tree[p]
-  return tree
-
-
-def _tree_set(tree: dict, path, value) -> None:
-  for p in path[:-1]:
-    tree = tree.setdefault(p, {})
-  tree[path[-1]] = value
+# Each rljax parameter is a layout transform of HF tensors (layouts.py): its `Tensor` says how an
+# index of the rljax array maps to a block of the HF tensor, so a device's shard is read as that
+# block and transformed, never the whole tensor.
 
 
 def _place_slices(c: ModelConfig, ckpt: "_SafetensorsCheckpoint", shardings) -> dict:
@@ -312,19 +235,18 @@ def _place_slices(c: ModelConfig, ckpt: "_SafetensorsCheckpoint", shardings) -> 
   """
   dtype = np.dtype(c.storage_dtype)
   params: dict = {}
-  for path, name, kind, heads, stacked in _param_sources(c):
-    sharding = _tree_get(shardings, path)
-    shape = _param_shape(c, path)
+  for spec in tensors(c):
+    sharding = tree_get(shardings, spec.tree_path)
 
-    def shard(index, name=name, kind=kind, heads=heads, stacked=stacked):
-      if not stacked:
-        return _read_block(c, kind, heads, ckpt.read, name, tuple(index)).astype(dtype)
+    def shard(index, spec=spec):
+      if not spec.per_layer:
+        return layouts.read_block(spec, ckpt.read, spec.hf_name(), tuple(index)).astype(dtype)
       first, *rest = index
-      layers = range(c.num_layers)[first]
-      return np.stack([_read_block(c, kind, heads, ckpt.read, f"model.layers.{i}.{name}", tuple(rest)).astype(dtype)
-                       for i in layers])
+      return np.stack([layouts.read_block(spec, ckpt.read, spec.hf_name(i), tuple(rest)).astype(dtype)
+                       for i in range(c.num_layers)[first]])
 
-    _tree_set(params, path, jax.make_array_from_callback(shape, sharding, shard))
+    shape = ((c.num_layers,) if spec.per_layer else ()) + spec.shape
+    tree_set(params, spec.tree_path, jax.make_array_from_callback(shape, sharding, shard))
   return params
 
 
@@ -333,33 +255,14 @@ def _place_whole(c: ModelConfig, get, shardings) -> dict:
   and placed by slices (jax.device_put copies each device only its shard); one at a time."""
   dtype = np.dtype(c.storage_dtype)
   params: dict = {}
-  for path, name, kind, heads, stacked in _param_sources(c):
-    full = tuple(slice(None) for _ in _param_shape(c, path)[1 if stacked else 0:])
-    if stacked:
-      value = np.stack([_read_block(c, kind, heads, lambda n, i: get(n)[i], f"model.layers.{k}.{name}", full)
-                        .astype(dtype) for k in range(c.num_layers)])
+  for spec in tensors(c):
+    if spec.per_layer:
+      value = np.stack([layouts.to_rljax(spec, get(spec.hf_name(i))).astype(dtype) for i in range(c.num_layers)])
     else:
-      value = _read_block(c, kind, heads, lambda n, i: get(n)[i], name, full).astype(dtype)
-    _tree_set(params, path, jax.device_put(value, _tree_get(shardings, path)))
+      value = layouts.to_rljax(spec, get(spec.hf_name())).astype(dtype)
+    tree_set(params, spec.tree_path, jax.device_put(value, tree_get(shardings, spec.tree_path)))
     del value
   return params
-
-
-def _param_shape(c: ModelConfig, path) -> tuple[int, ...]:
-  d, h, k, dh, f, v, n = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                          c.vocab_size, c.num_layers)
-  top = {("embedding",): (v, d), ("final_norm", "scale"): (d,), ("lm_head",): (d, v)}
-  if path in top:
-    return top[path]
-  per_layer = {
-      ("input_norm", "scale"): (d,), ("post_attn_norm", "scale"): (d,),
-      ("attn_out_norm", "scale"): (d,), ("mlp_out_norm", "scale"): (d,),
-      ("attn", "q_kernel"): (d, h, dh), ("attn", "k_kernel"): (d, k, dh), ("attn", "v_kernel"): (d, k, dh),
-      ("attn", "o_kernel"): (h, dh, d), ("attn", "q_bias"): (h, dh), ("attn", "k_bias"): (k, dh),
-      ("attn", "v_bias"): (k, dh), ("attn", "q_norm", "scale"): (dh,), ("attn", "k_norm", "scale"): (dh,),
-      ("mlp", "gate_kernel"): (d, f), ("mlp", "up_kernel"): (d, f), ("mlp", "down_kernel"): (f, d),
-  }
-  return (n,) + per_layer[tuple(path[1:])]
 
 
 def _load_tokenizer(path: str):
@@ -406,7 +309,6 @@ def save_pretrained(policy: Policy, out_dir: str | os.PathLike, dtype: str = "fl
   `save(dir)` method. `dtype` ("float32" | "bfloat16" | "float16") is the tensor dtype
   on disk. `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads it as is.
   """
-  from safetensors.numpy import save_file
   np_dtypes = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
   if dtype not in np_dtypes:
     raise WeightsError(f"save_pretrained dtype={dtype!r} is not supported; use one of {tuple(np_dtypes)}.")

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models.config import ModelConfig
+from rljax.models.policy import init_params
 
 _A, _B = "_lora_a", "_lora_b"
 
@@ -95,7 +96,6 @@ def merge(config: ModelConfig, base, adapters):
 def init_adapters(config: ModelConfig, rng: jax.Array, shardings=None):
   """Fresh adapters (A random, B zero) for `config.lora`, without materialising the base: the
   base's initialisers are traced and dropped. `shardings`: the adapters' NamedShardings or None."""
-  from rljax.models.policy import init_params
   fn = lambda key: split(init_params(config, key))[1]
   return jax.jit(fn, out_shardings=shardings)(rng) if shardings is not None else jax.jit(fn)(rng)
 

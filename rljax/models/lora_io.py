@@ -25,11 +25,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from rljax.errors import ConfigError, WeightsError
-from rljax.models import lora
-from rljax.models.config import LORA_TARGETS, ModelConfig, _int_if_whole
-from rljax.models.convert import _layer_specs
+from rljax.models import convert, families, lora
+from rljax.models.config import ModelConfig
+from rljax.models.io import _read_json, _write_json
+from rljax.models.policy import init_params
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -38,19 +41,27 @@ PEFT_PREFIX = "base_model.model."   # PeftModel -> LoraModel -> the transformers
 
 def hf_modules(config: ModelConfig) -> dict[str, tuple[str, str]]:
   """Projection name -> (its module in a layer's rljax tree, its HF module within a layer), read
-  from convert.py's tensor map: e.g. "q" -> ("attn", "self_attn.q_proj"), "down" -> ("mlp", "mlp.down_proj")."""
+  from the family's tensor list: e.g. "q" -> ("attn", "self_attn.q_proj"), "down" -> ("mlp", "mlp.down_proj")."""
   out = {}
-  for path, suffix, _, _ in _layer_specs(config):
-    if path[-1].endswith("_kernel"):
-      out[path[-1][:-len("_kernel")]] = (path[0], suffix[:-len(".weight")])
+  for spec in convert.tensors(config):
+    if spec.per_layer and spec.path[-1].endswith("_kernel"):
+      out[spec.path[-1][:-len("_kernel")]] = (spec.path[0], spec.hf[:-len(".weight")])
   return out
+
+
+def _targets(config: ModelConfig) -> tuple[str, ...]:
+  """The family's adaptable projections, in its order (adapter_config.json lists them so)."""
+  return families.get(config.architecture).lora_targets
+
+
+def _int_if_whole(x: float) -> int | float:
+  return int(x) if float(x).is_integer() else float(x)
 
 
 def adapter_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
   """Target -> (A's shape [L, *in, r], B's shape [L, r, *out]) for `config.lora`: the model's own
   parameter definition, traced (nothing is allocated)."""
   _require_lora(config)
-  from rljax.models.policy import init_params
   tree = jax.eval_shape(lambda: lora.split(init_params(config, jax.random.key(0)))[1])
   mods = hf_modules(config)
   return {t: (tuple(tree["layers"][mods[t][0]][f"{t}_lora_a"].shape),
@@ -145,7 +156,7 @@ def peft_config(config: ModelConfig, base_model_name_or_path: str | None = None)
       "r": int(lc.rank),
       "lora_alpha": _int_if_whole(float(lc.alpha)),
       "lora_dropout": float(lc.dropout),
-      "target_modules": [mods[t][1].split(".")[-1] for t in LORA_TARGETS if t in lc.targets],
+      "target_modules": [mods[t][1].split(".")[-1] for t in _targets(config) if t in lc.targets],
       "exclude_modules": None,
       "bias": "none",
       "lora_bias": False,
@@ -204,7 +215,7 @@ def check_peft_config(config: ModelConfig, data: Mapping[str, Any], source: str 
                          f"{sorted(by_name)}.")
     got = {by_name[m] for m in targets}
     if got != set(lc.targets):
-      raise WeightsError(f"{source}: the adapter targets {[t for t in LORA_TARGETS if t in got]} but "
+      raise WeightsError(f"{source}: the adapter targets {[t for t in _targets(config) if t in got]} but "
                          f"config.lora.targets={list(lc.targets)}; set model.lora.targets to the adapter's.")
 
 
@@ -220,8 +231,6 @@ def save_peft_adapter(config: ModelConfig, adapters, out_dir: str | os.PathLike,
   out_dir)` computes the adapted model. `base_model_name_or_path` is recorded in the config (PEFT
   uses it when the base is not given).
   """
-  from safetensors.numpy import save_file
-  from rljax.models.io import _write_json
   tensors = lora_to_hf(config, adapters)
   out_dir = os.fspath(out_dir)
   os.makedirs(out_dir, exist_ok=True)
@@ -240,7 +249,6 @@ def load_peft_adapter(config: ModelConfig, path: str | os.PathLike):
   Raises WeightsError naming the file on a missing or corrupt file, or an adapter that differs
   from `config.lora` (rank, alpha, targets, layers, shapes) or is not plain LoRA (`check_peft_config`).
   """
-  from rljax.models.io import _read_json
   path = os.fspath(path)
   directory = os.path.dirname(path) if os.path.isfile(path) else path
   if not os.path.isdir(directory):
@@ -257,7 +265,6 @@ def load_peft_adapter(config: ModelConfig, path: str | os.PathLike):
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-  from safetensors import safe_open
   try:
     with safe_open(path, framework="numpy") as f:
       return {k: f.get_tensor(k) for k in list(f.keys())}

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from rljax import sharding as shd
 from rljax.models.config import ModelConfig
+from rljax.models.outputs import ModelOutput
 from rljax.models.transformer import KVCache, Transformer, positions_from_mask
 
 
@@ -75,13 +76,13 @@ class Policy:
 
 @jax.jit(static_argnums=0)
 def _forward(config, params, tokens, positions, mask):
-  logits, _ = Transformer(config).apply({"params": params}, tokens, positions, mask)
-  return logits
+  return Transformer(config).apply({"params": params}, tokens, positions, mask).logits
 
 
 def apply_model(config: ModelConfig, params, tokens, positions, token_mask=None, cache: KVCache | None = None,
-                *, segment_ids=None, return_hidden: bool = False, dropout_rng=None):
-  """Functional forward used by the sampler and the learner (same code path).
+                *, segment_ids=None, return_hidden: bool = False, dropout_rng=None) -> ModelOutput:
+  """Functional forward used by the sampler and the learner (same code path): a `ModelOutput`
+  (logits, or hidden states with `return_hidden`; the new cache; auxiliary losses; router statistics).
 
   segment_ids: [B, T] int32 packed-row segments, without a cache only (see `Transformer.__call__`).
   dropout_rng: a key for LoRA dropout (config.lora.dropout > 0), given by the learner's loss only.

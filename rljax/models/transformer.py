@@ -1,4 +1,4 @@
-"""The decoder-only transformer (Llama / Qwen2 / Qwen3 / Gemma 2 / Gemma 3), written with Flax linen.
+"""The decoder-only transformer every family runs (rljax/models/families/), written with Flax linen.
 
 Shapes: B = batch, T = new tokens in this call, S = KV-cache slots, D = hidden,
 H / K = query / key-value heads, Dh = head dim, F = MLP width, V = vocab, L = layers.
@@ -22,88 +22,25 @@ mask, window and RoPE tables with `jnp.where` on its flag. A sliding layer lets 
 position p see keys at positions > p - W (`config.sliding_window`), HF's window; with a cache,
 a key's position is the number of real tokens before it in its row (prefix included), which is
 how every caller numbers positions (`positions_from_mask`, the decode loops).
+
+The forward returns a `ModelOutput` (rljax/models/outputs.py); RoPE and its scalings live in
+rljax/models/rope.py, norms, embedding and the dense MLP in rljax/models/layers.py.
 """
 from __future__ import annotations
-
-import functools
-import math
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from rljax import sharding as shd
+from rljax.models import families
+from rljax.models import rope as rope_lib
 from rljax.models.attention import attend, soft_cap
 from rljax.models.cache import DecodeCache, KVCache, LayerCache, PrefixCache, PrefixView, cached_attention, put_rows
 from rljax.models.config import ModelConfig
-
-
-def _param(module: nn.Module, name: str, init, shape, axes, dtype):
-  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
-
-
-def _lora_delta(module: nn.Module, name: str, x, in_axes: tuple, out_shape: tuple, out_axes: tuple):
-  """The LoRA term (alpha / r) * (x A) B of projection `name`, or None (no adapter on it, or a
-  parameter tree without adapters: the base model, e.g. the KL reference).
-
-  x: [B, T, *in] with in the kernel's input axes (named `in_axes`); A: [*in, r] float32,
-  initialised like PEFT's (uniform, bound 1 / sqrt(fan_in)); B: [r, *out] float32, zeros, so a
-  fresh adapter leaves the model unchanged. Both run in the compute dtype, like the kernels.
-  With dropout, the input of A is dropped when a "dropout" rng is given (the learner's loss).
-  """
-  lora = module.config.lora
-  a_name, b_name = f"{name}_lora_a", f"{name}_lora_b"
-  if lora is None or name not in lora.targets:
-    return None
-  if not (module.is_initializing() or module.has_variable("params", a_name)):
-    return None
-  in_shape = x.shape[2:]
-  fan_in_axes = tuple(range(len(in_shape)))
-  a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=fan_in_axes, out_axis=-1)
-  a = _param(module, a_name, a_init, in_shape + (lora.rank,), in_axes + ("lora_rank",), jnp.float32)
-  b = _param(module, b_name, nn.initializers.zeros, (lora.rank,) + out_shape, ("lora_rank",) + out_axes,
-             jnp.float32)
-  dt = module.config.compute_dtype
-  if lora.dropout > 0 and module.has_rng("dropout"):
-    keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - lora.dropout, x.shape)
-    x = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
-  h = jnp.tensordot(x, a.astype(dt), axes=len(in_shape))             # [B, T, r]
-  return jnp.tensordot(h, b.astype(dt), axes=1) * jnp.asarray(lora.scale, dt)   # [B, T, *out]
-
-
-class RMSNorm(nn.Module):
-  """RMSNorm over the last axis, computed in float32. With `offset` (Gemma) the scale is
-  (1 + weight) and the weight starts at zero; otherwise the scale is the weight, starting at one."""
-  eps: float
-  axis_name: str = "norm"
-  param_dtype: Any = jnp.float32
-  offset: bool = False
-
-  @nn.compact
-  def __call__(self, x):
-    init = nn.initializers.zeros if self.offset else nn.initializers.ones
-    scale = _param(self, "scale", init, (x.shape[-1],), (self.axis_name,), self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    scale32 = scale.astype(jnp.float32)
-    if self.offset:
-      scale32 = 1.0 + scale32
-    return (scale32 * x32).astype(x.dtype)
-
-
-def make_norm(config: ModelConfig, axis_name: str = "norm", name: str | None = None) -> RMSNorm:
-  """The model's RMSNorm (eps, storage dtype, Gemma's (1 + w) offset) for one norm."""
-  return RMSNorm(config.rms_norm_eps, axis_name, config.storage_dtype, config.norm_offset, name=name)
-
-
-def embed_tokens(config: ModelConfig, embedding: jax.Array, tokens: jax.Array) -> jax.Array:
-  """tokens [B, T] -> [B, T, D] in the compute dtype; times sqrt(D) (rounded to the compute dtype,
-  as transformers does) when `config.embed_scale` (Gemma)."""
-  x = jnp.take(embedding, tokens, axis=0).astype(config.compute_dtype)
-  if config.embed_scale:
-    x = x * jnp.asarray(math.sqrt(config.hidden_size), config.compute_dtype)
-  return x
+from rljax.models.layers import embed_tokens, lora_delta, make_norm, param
+from rljax.models.outputs import ModelOutput, collect_stats
+from rljax.models.rope import apply_rope
 
 
 def sliding_flags(config: ModelConfig) -> jax.Array:
@@ -113,47 +50,37 @@ def sliding_flags(config: ModelConfig) -> jax.Array:
 
 
 def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> jax.Array:
-  """[Dh/2] inverse frequencies for base `theta` (default config.rope_theta), with Llama 3 scaling
-  when configured."""
-  dh = config.head_dim
-  theta = config.rope_theta if theta is None else theta
-  inv = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-  rs = config.rope_scaling
-  if rs is None:
-    return inv
-  low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-  high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-  wavelen = 2 * math.pi / inv
-  scaled = jnp.where(wavelen > low_wavelen, inv / rs.factor, inv)
-  smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-      rs.high_freq_factor - rs.low_freq_factor)
-  mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
-  is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-  return jnp.where(is_mid, mid, scaled)
+  """[Dh/2] inverse frequencies of the global layers (base config.rope_theta and config.rope_scaling),
+  or, given `theta`, of an unscaled base `theta` (the sliding layers' local base)."""
+  if theta is None:
+    return rope_lib.inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+  return rope_lib.inv_freq(config.head_dim, theta)
 
 
 def rope_tables(positions: jax.Array, config: ModelConfig, theta: float | None = None) -> tuple[jax.Array, jax.Array]:
-  """cos, sin: [B, T, Dh] float32 for positions [B, T] (HF half-split layout), base `theta`
-  (default config.rope_theta)."""
-  freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(config, theta)
-  emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb), jnp.sin(emb)
+  """cos, sin: [B, T, Dh] float32 for positions [B, T] (HF half-split layout): the global layers'
+  (config.rope_theta, scaled by config.rope_scaling, YaRN's attention factor included), or, given
+  `theta`, those of an unscaled base `theta`."""
+  if theta is None:
+    return rope_lib.tables(positions, config.head_dim, config.rope_theta, config.rope_scaling)
+  return rope_lib.tables(positions, config.head_dim, theta)
 
 
 def layer_rope(positions: jax.Array, config: ModelConfig):
   """The RoPE tables the layers take: (cos, sin) [B, T, Dh], or, with a separate base for the
-  sliding layers (Gemma 3), ((cos, sin) global, (cos, sin) local), selected per layer."""
+  sliding layers (Gemma 3), ((cos, sin) global, (cos, sin) local), selected per layer. RoPE
+  scaling applies to the global tables only (Gemma 3's linear scaling is on its full-attention layers)."""
   glob = rope_tables(positions, config)
   if config.rope_local_theta is None or not config.has_sliding_layers:
     return glob
   return glob, rope_tables(positions, config, config.rope_local_theta)
 
 
-def _select_rope(config: ModelConfig, rope, sliding):
+def _select_rope(config: ModelConfig, tables, sliding):
   """(cos, sin) of one layer from `layer_rope`'s tables and its sliding flag ([] bool)."""
   if config.rope_local_theta is None or not config.has_sliding_layers:
-    return rope
-  (gc, gs), (lc, ls) = rope
+    return tables
+  (gc, gs), (lc, ls) = tables
   return jnp.where(sliding, lc, gc), jnp.where(sliding, ls, gs)
 
 
@@ -167,14 +94,6 @@ def cache_key_positions(kv_mask: jax.Array, before=None) -> jax.Array:
 def window_mask(config: ModelConfig, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
   """[B, T, S] bool: key within the sliding window of the query, q_positions [B, T], k_positions [B, S]."""
   return (q_positions[:, :, None] - k_positions[:, None, :]) < config.sliding_window
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x: [B, T, heads, Dh]; rotation computed in float32 like the reference implementation."""
-  x32 = x.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
 class Attention(nn.Module):
@@ -203,13 +122,13 @@ class Attention(nn.Module):
     d, h, k, dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
 
     def proj(name, heads, axis):
-      w = _param(self, f"{name}_kernel", init, (d, heads, dh), ("embed", axis, "head_dim"), pdt)
+      w = param(self, f"{name}_kernel", init, (d, heads, dh), ("embed", axis, "head_dim"), pdt)
       y = jnp.einsum("btd,dhk->bthk", x, w.astype(dt))
-      delta = _lora_delta(self, name, x, ("embed",), (heads, dh), (axis, "head_dim"))
+      delta = lora_delta(self, name, x, ("embed",), (heads, dh), (axis, "head_dim"))
       if delta is not None:
         y = y + delta
       if c.attention_bias:
-        b = _param(self, f"{name}_bias", nn.initializers.zeros, (heads, dh), (axis, "head_dim"), pdt)
+        b = param(self, f"{name}_bias", nn.initializers.zeros, (heads, dh), (axis, "head_dim"), pdt)
         y = y + b.astype(dt)
       return y
 
@@ -240,43 +159,27 @@ class Attention(nn.Module):
       out = cached_attention(qg, read, mask, prefix, scale=c.attention_scale, softcap=c.attn_logit_softcap,
                              prefix_rows=prefix_rows)
     out = out.reshape(b, t, h, dh)
-    wo = _param(self, "o_kernel", init, (h, dh, d), ("heads", "head_dim", "embed"), pdt)
+    wo = param(self, "o_kernel", init, (h, dh, d), ("heads", "head_dim", "embed"), pdt)
     y = jnp.einsum("bthk,hkd->btd", out, wo.astype(dt))
-    delta = _lora_delta(self, "o", out, ("heads", "head_dim"), (d,), ("embed",))
+    delta = lora_delta(self, "o", out, ("heads", "head_dim"), (d,), ("embed",))
     return (y if delta is None else y + delta), new_cache
-
-
-class MLP(nn.Module):
-  config: ModelConfig
-
-  @nn.compact
-  def __call__(self, x):
-    c = self.config
-    dt, pdt = c.compute_dtype, c.storage_dtype
-    init = nn.initializers.normal(0.02)
-    gate = _param(self, "gate_kernel", init, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pdt)
-    up = _param(self, "up_kernel", init, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), pdt)
-    down = _param(self, "down_kernel", init, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), pdt)
-    act = jax.nn.silu if c.hidden_act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-
-    def project(name, inp, w, in_axis, out_axis):
-      y = inp @ w.astype(dt)
-      delta = _lora_delta(self, name, inp, (in_axis,), (w.shape[-1],), (out_axis,))
-      return y if delta is None else y + delta
-
-    hidden = act(project("gate", x, gate, "embed", "mlp")) * project("up", x, up, "embed", "mlp")
-    return project("down", hidden, down, "mlp", "embed")
 
 
 class DecoderLayer(nn.Module):
   """One block. `sliding` is this layer's [] bool flag (scanned from `sliding_flags`); `rope` the
-  tables of `layer_rope`. Norms: input_norm before attention, post_attn_norm before the MLP (HF's
-  post_attention_layernorm for Llama / Qwen, pre_feedforward_layernorm for Gemma) and, with
-  `sandwich_norms`, attn_out_norm / mlp_out_norm on each branch's output before its residual add."""
+  tables of `layer_rope`. Norms: input_norm before attention, post_attn_norm before the feed-forward
+  block (HF's post_attention_layernorm for Llama / Qwen, pre_feedforward_layernorm for Gemma) and,
+  with `sandwich_norms`, attn_out_norm / mlp_out_norm on each branch's output before its residual add.
+  The feed-forward block is the family's (`Family.feed_forward`: the dense MLP for every family today).
+
+  Returns (x, (new_cache, stats)): stats the block's auxiliary losses and router statistics
+  (`rljax.models.outputs.no_stats()` for a dense MLP); token_mask [B, T] bool (None: all real)
+  tells the block which tokens are real."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, cache: LayerCache | None, sliding, rope, mask, index, prefix: PrefixView | None = None):
+  def __call__(self, x, cache: LayerCache | None, sliding, rope, mask, index, prefix: PrefixView | None = None,
+               token_mask=None):
     c = self.config
     if not c.has_sliding_layers:
       sliding = None
@@ -287,21 +190,22 @@ class DecoderLayer(nn.Module):
       attn = make_norm(c, name="attn_out_norm")(attn)
     x = x + attn
     h = make_norm(c, name="post_attn_norm")(x)
-    out = MLP(c, name="mlp")(h)
+    out, stats = families.feed_forward(c)(c, name="mlp")(h, token_mask)
     if c.sandwich_norms:
       out = make_norm(c, name="mlp_out_norm")(out)
     x = x + out
     x = shd.constrain(x, ("batch", "length", "embed"))
-    return x, new_cache
+    return x, (new_cache, stats)
 
 
 class Transformer(nn.Module):
-  """Decoder-only LM. Call returns (logits or hidden, new cache or None)."""
+  """Decoder-only LM. Call returns a `ModelOutput` (logits or hidden states, cache, auxiliary losses,
+  router statistics)."""
   config: ModelConfig
 
   def setup(self):
     c = self.config
-    self.embed = _param(self, "embedding", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
+    self.embed = param(self, "embedding", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
                         ("vocab", "embed"), c.storage_dtype)
     layer = DecoderLayer
     if c.remat:
@@ -310,13 +214,13 @@ class Transformer(nn.Module):
         layer,
         variable_axes={"params": 0},
         split_rngs={"params": True, "dropout": True},
-        in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
+        in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
         length=c.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )(c, name="layers")
     self.final_norm = make_norm(c, name="final_norm")
     if not c.tie_word_embeddings:
-      self.lm_head = _param(self, "lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size),
+      self.lm_head = param(self, "lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size),
                             ("embed", "vocab"), c.storage_dtype)
 
   def output_kernel(self) -> jax.Array:
@@ -334,9 +238,10 @@ class Transformer(nn.Module):
     segment_ids (without a cache only): [B, T] int32, packed rows whose tokens attend only within
     their segment (default None: one segment per row); give each segment its own positions.
 
-    Returns (out, new_cache): out is [B, T, V] float32 logits (soft-capped when
-    `final_logit_softcap`), or the final-normed hidden states [B, T, D] in the compute dtype
-    when `return_hidden` (for chunked log-probs); new_cache is None when no cache was given.
+    Returns a `ModelOutput`: `logits` [B, T, V] float32 (soft-capped when `final_logit_softcap`),
+    or, with `return_hidden`, `hidden`, the final-normed hidden states [B, T, D] in the compute
+    dtype (for chunked log-probs); `cache` the updated cache (None when none was given);
+    `aux_losses` and `router` from the feed-forward blocks (empty for dense models).
     """
     c = self.config
     b, t = tokens.shape
@@ -362,15 +267,17 @@ class Transformer(nn.Module):
         mask = (mask, mask & window_mask(c, positions, cache_key_positions(kv_mask)))
       layer_caches = cache.layers
 
-    x, new_layers = self.layers(x, layer_caches, sliding_flags(c), rope, mask, index)
+    x, (new_layers, stats) = self.layers(x, layer_caches, sliding_flags(c), rope, mask, index, None, token_mask)
     x = self.final_norm(x)
     new_cache = None
     if cache is not None:
       new_cache = KVCache(new_layers, kv_mask, index + t)
+    aux_losses, router = collect_stats(stats)
     if return_hidden:
-      return x, new_cache
+      return ModelOutput(hidden=x, cache=new_cache, aux_losses=aux_losses, router=router)
     logits = jnp.einsum("btd,dv->btv", x, self.output_kernel(), preferred_element_type=jnp.float32)
-    return soft_cap(logits, c.final_logit_softcap), new_cache
+    return ModelOutput(logits=soft_cap(logits, c.final_logit_softcap), cache=new_cache, aux_losses=aux_losses,
+                       router=router)
 
   def hidden_to_logits(self, hidden):
     """[..., D] -> [..., V] float32 logits (soft-capped when `final_logit_softcap`)."""
@@ -386,8 +293,9 @@ class Transformer(nn.Module):
     loop); tokens, positions: [B, W] int32; token_mask: [B, W] bool; cache: the rows' caches;
     prefix: None, or the prompt cache that each group of B / P consecutive rows (or, pointed,
     each row its own prompt: `PrefixCache.point`) attends before its own slots. Token w of a row
-    attends to its prefix, then to the slots <= index + w whose mask is set. Returns the final-normed hidden states [B, W, D] (compute dtype) and the cache
-    with the new tokens (index advanced by W).
+    attends to its prefix, then to the slots <= index + w whose mask is set. Returns the
+    final-normed hidden states [B, W, D] (compute dtype) and the cache with the new tokens (index
+    advanced by W).
 
     One cache array and one parameter tree per layer instead of the scanned [L, ...] stacks:
     slicing a layer out of a stack inside a decode loop copies its cache and weights on every
@@ -423,7 +331,7 @@ class Transformer(nn.Module):
     new = []
     for i, (p, layer_cache) in enumerate(zip(layers, cache.layers)):
       view = None if prefix is None else PrefixView(prefix.layers[i], prefix.mask, window, prefix.index, prefix.blocks)
-      x, layer_cache = layer.apply({"params": p}, x, layer_cache, jnp.asarray(flags[i]), rope, mask, index, view)
+      x, (layer_cache, _) = layer.apply({"params": p}, x, layer_cache, jnp.asarray(flags[i]), rope, mask, index, view)
       new.append(layer_cache)
     x = self.final_norm(x)
     return x, DecodeCache(tuple(new), kv_mask, index + w)

@@ -17,12 +17,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Sequence
 
+import jax
+
+from rljax import sharding as shd
+from rljax.config import resolve_config
 from rljax.errors import ConfigError
+from rljax.plan import programs as progs, report as rep
 from rljax.plan.programs import PROGRAMS, Run, build_run
-from rljax.plan.topology import Topology, parse_topology
+from rljax.plan.topology import Topology, backends_started, parse_topology
 
 __all__ = ["main", "make_plan", "parse_topology", "build_run"]
 
@@ -37,9 +43,6 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
   extrapolates the compiled figures linearly to the real depth (approximate, docs/plan.md;
   parameters, optimizer state and KV cache stay exact). dump_dir: write each per-chip HLO there.
   """
-  from rljax import sharding as shd
-  from rljax.plan import programs as progs
-  from rljax.plan import report as rep
   devices = topo.devices()
   if topo.hbm_bytes:   # a deviceless chip reports no memory: give the sampler's layout choice its budget
     run = dataclasses.replace(run, decode_budget_bytes=topo.hbm_bytes // 2)
@@ -118,9 +121,6 @@ def _parser() -> argparse.ArgumentParser:
 def _compile_only() -> None:
   """The plan runs nothing on a device: keep jax on the CPU backend (libtpu is only a compiler here),
   unless the process chose its platforms already."""
-  import os
-  import jax
-  from rljax.plan.topology import backends_started
   if not backends_started() and not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")
 
@@ -129,7 +129,6 @@ def main(argv: Sequence[str]) -> int:
   """`rljax plan ...`: prints the plan; returns 0 when every program fits (or there is no limit to
   check against), NO_FIT (3) when one does not."""
   _compile_only()
-  from rljax.config import resolve_config
   config, rest = resolve_config(list(argv))
   args = _parser().parse_args(rest)
   topo = parse_topology(args.topology).with_hbm(args.hbm_gib)
@@ -145,7 +144,6 @@ def main(argv: Sequence[str]) -> int:
   if args.json:
     print(json.dumps(plan, indent=2))
   else:
-    from rljax.plan.report import render_text
-    print(render_text(plan))
+    print(rep.render_text(plan))
   sys.stdout.flush()
   return NO_FIT if plan["fits"] is False else 0

@@ -14,9 +14,12 @@ builds the program (`jax.experimental.topologies`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
+
+import jax
 
 from rljax.errors import ConfigError
 
@@ -137,7 +140,6 @@ def _quiet_libtpu_env() -> None:
 
 def libtpu_available() -> bool:
   """Whether libtpu can be imported (the deviceless TPU compiler)."""
-  import importlib.util
   return importlib.util.find_spec("libtpu") is not None
 
 
@@ -148,7 +150,7 @@ def tpu_devices(topo: Topology) -> list:
                       "pip install 'rljax[tpu]' (libtpu==0.0.42.1 for jax 0.10.2), or plan on simulated CPU "
                       "devices with --topology cpu:N.")
   _quiet_libtpu_env()
-  from jax.experimental import topologies
+  from jax.experimental import topologies  # after the environment that quiets libtpu is set
   kwargs = {"chip_config_name": "megacore"} if topo.generation == "v4" else {}
   try:
     desc = topologies.get_topology_desc(topology_name=topo.libtpu_name, platform="tpu", **kwargs)
@@ -169,7 +171,6 @@ def cpu_devices(n: int) -> list:
   --xla_force_host_platform_device_count=N or the jax_num_cpu_devices option, before any
   computation); a process that already started with fewer devices cannot grow them.
   """
-  import jax
   if not backends_started():
     jax.config.update("jax_platforms", "cpu")
     if jax.config.jax_num_cpu_devices < n and f"device_count={n}" not in os.environ.get("XLA_FLAGS", ""):
@@ -217,7 +218,7 @@ def backends_started() -> bool:
   (the safe answer: nothing is reconfigured).
   """
   try:
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # private: imported where a failure falls back to "started"
     return bool(xla_bridge.backends_are_initialized())
   except (ImportError, AttributeError):
     return True

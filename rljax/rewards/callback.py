@@ -75,19 +75,16 @@ class RewardFn:
     decode_fn: list of token-id lists -> list of strings.
     group_size: G, completions per prompt.
     mesh: score per device shard on this mesh (per host); None scores the whole batch at once.
-    sharding: accepted for compatibility: its mesh is used as `mesh`.
     gather_timeout_s: how long a device's callback waits for the process's other devices
       before scoring its rows alone (a warning is logged when that happens).
   """
 
   def __init__(self, pool: RewardPool, decode_fn: Callable[[list[list[int]]], Sequence[str]], *,
-               group_size: int = 1, sharding: Any = None, mesh: Any = None,
-               gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S):
+               group_size: int = 1, mesh: Any = None, gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S):
     self.pool = pool
     self.decode_fn = decode_fn
     self.group_size = int(group_size)
-    self.sharding = sharding
-    self.mesh = mesh if mesh is not None else getattr(sharding, "mesh", None)
+    self.mesh = mesh
     self.gather_timeout_s = float(gather_timeout_s)
     self.component_names = list(pool.component_names)
     self._lock = threading.Lock()
@@ -380,7 +377,8 @@ def _pieces(tokens):
 
 
 _SUMMED = ("verifier/timeouts", "verifier/errors", "verifier/crashes", "verifier/deadline_misses",
-           "verifier/restarts", "verifier/failures")
+           "verifier/restarts", "verifier/recycles", "verifier/info_errors", "verifier/import_timeouts",
+           "verifier/failures")
 
 
 def _summary(batch: RewardBatch | None, rewards: np.ndarray | None) -> dict:
@@ -423,8 +421,7 @@ def combine_process_metrics(parts: Sequence[Mapping[str, Any]]) -> dict[str, flo
 
 
 def make_reward_fn(pool: RewardPool, decode_fn: Callable[[list[list[int]]], Sequence[str]], *,
-                   group_size: int = 1, sharding: Any = None, mesh: Any = None,
+                   group_size: int = 1, mesh: Any = None,
                    gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S) -> RewardFn:
   """The io_callback reward function of `pool` (see the module doc)."""
-  return RewardFn(pool, decode_fn, group_size=group_size, sharding=sharding, mesh=mesh,
-                  gather_timeout_s=gather_timeout_s)
+  return RewardFn(pool, decode_fn, group_size=group_size, mesh=mesh, gather_timeout_s=gather_timeout_s)

@@ -9,17 +9,18 @@ Semantics: docs/loss.md. Typical step::
   loss, metrics = policy_loss(lp, lp_old, adv.reshape(-1), mask, den, cfg,
                               entropy=ent, truncated=truncated)
 """
-from rljax.rl.advantages import compute_advantages, soft_overlong_penalty, zero_std_groups
+from rljax.rl.advantages import compute_advantages, zero_std_groups
 from rljax.rl.config import AGG_MODES, PRESETS, LossConfig
 from rljax.rl.logprobs import chunked_logprobs, naive_logprobs
-from rljax.rl.losses import (Denominators, combine_metrics, kl_penalty, make_denominators,
-                             policy_loss, token_weights, train_mask)
+from rljax.rl.losses import Denominators, kl_penalty, make_denominators, policy_loss, token_weights, train_mask
+from rljax.rl.metrics import Metrics, combine_metrics
 
 __all__ = [
     "AGG_MODES",
     "PRESETS",
     "Denominators",
     "LossConfig",
+    "Metrics",
     "chunked_logprobs",
     "combine_metrics",
     "compute_advantages",
@@ -27,7 +28,6 @@ __all__ = [
     "make_denominators",
     "naive_logprobs",
     "policy_loss",
-    "soft_overlong_penalty",
     "token_weights",
     "train_mask",
     "zero_std_groups",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rljax.errors import ConfigError
 from rljax.rl.config import LossConfig
 
 
@@ -130,24 +129,3 @@ def compute_advantages(rewards: jax.Array, cfg: LossConfig,
       "adv_max": jnp.max(jnp.where(valid > 0, adv, -big)),
   }
   return adv, metrics
-
-
-def soft_overlong_penalty(lengths: jax.Array, max_len: int, buffer: int) -> jax.Array:
-  """DAPO's soft overlong punishment, a reward term counted in tokens.
-
-  penalty = 0 if L <= max_len - buffer, else -(L - (max_len - buffer)) / buffer, capped at -1.
-
-  Args:
-    lengths: [...] completion lengths in tokens (any int or float dtype).
-    max_len: L_max, the generation budget (max_new_tokens).
-    buffer: L_buf > 0, the length of the punishment ramp.
-
-  Returns:
-    [...] float32 penalties in [-1, 0], to be added to the rewards.
-  """
-  if not 0 < buffer <= max_len:
-    raise ConfigError(
-        f"overlong buffer={buffer} must be in (0, max_len={max_len}]: set a positive buffer no "
-        "longer than max_new_tokens.")
-  over = jnp.asarray(lengths, jnp.float32) - (max_len - buffer)
-  return jnp.clip(-over / buffer, -1.0, 0.0)

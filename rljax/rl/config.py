@@ -159,16 +159,6 @@ class LossConfig:
     """Whether a frozen reference policy (lp_ref) must be kept: only when kl_coef > 0."""
     return self.kl_coef > 0
 
-  @property
-  def needs_entropy(self) -> bool:
-    """Whether `policy_loss` needs the per-token entropy (entropy_coef > 0)."""
-    return self.entropy_coef > 0
-
-  @property
-  def needs_sampler_logprobs(self) -> bool:
-    """Whether `policy_loss` needs lp_samp (truncated importance sampling is on)."""
-    return self.tis_cap is not None
-
 
 # Each preset sets every field that defines the recipe; docs/loss.md has the sources.
 PRESETS: dict[str, dict[str, Any]] = {

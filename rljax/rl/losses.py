@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from rljax.errors import ConfigError
 from rljax.rl._sharding import replicate
 from rljax.rl.config import KL_ESTIMATORS, LossConfig
+from rljax.rl.metrics import Metrics
 
 _F32 = jnp.float32
 
@@ -206,9 +207,9 @@ def policy_loss(lp: jax.Array, lp_old: jax.Array | None, adv: jax.Array, mask: j
 
   Returns:
     loss: scalar float32.
-    metrics: dict of scalar float32. Keys ending in "_max" / "_min" combine across
-      micro-batches by max / min, all others by sum (`combine_metrics`); each is already
-      normalised by the global denominators, so the combined value is the step's.
+    metrics: `Metrics` of scalar float32, each declared with how it combines across
+      micro-batches (rljax/rl/metrics.py): max / min for the extremes, sum for the rest, which
+      are already normalised by the global denominators, so the combined value is the step's.
   """
   if cfg.kl_coef > 0 and not cfg.kl_in_reward and lp_ref is None:
     raise ConfigError(
@@ -248,74 +249,44 @@ def policy_loss(lp: jax.Array, lp_old: jax.Array | None, adv: jax.Array, mask: j
   tok = sg(m / jnp.maximum(den.num_tokens, 1.0))  # token-mean weights for the metrics
   frac = lambda hit: jnp.sum(tok * hit)
   log_ratio = jnp.clip(lp - lp_old, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-  metrics = {
+  metrics = Metrics({
       "pg_loss": sg(pg_loss),
       "clip_frac_low": frac(low_hit),
       "clip_frac_high": frac(high_hit),
       "clip_frac_dual": frac(dual_hit),
       "ratio_mean": jnp.sum(tok * sg(ratio)),
-      "ratio_max": jnp.max(jnp.where(on, sg(ratio), 0.0)),
       "approx_kl_old": jnp.sum(tok * sg(jnp.exp(log_ratio) - 1.0 - log_ratio)),
       "num_tokens": jnp.sum(m),
-  }
+  })
+  metrics.add("ratio_max", jnp.max(jnp.where(on, sg(ratio), 0.0)), "max")
 
   if lp_ref is not None:
     kl = kl_penalty(lp, clean(lp_ref), m, cfg.kl_estimator, cfg.log_ratio_clamp)
-    metrics["kl_ref"] = jnp.sum(tok * sg(kl))
+    metrics.add("kl_ref", jnp.sum(tok * sg(kl)))
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:
       kl_loss = jnp.sum(w * kl)
       loss = loss + cfg.kl_coef * kl_loss
-      metrics["kl_loss"] = sg(kl_loss)
+      metrics.add("kl_loss", sg(kl_loss))
   if entropy is not None:
     entropy = clean(entropy)
-    metrics["entropy"] = jnp.sum(tok * sg(entropy))
+    metrics.add("entropy", jnp.sum(tok * sg(entropy)))
     if cfg.entropy_coef > 0:
       ent_loss = jnp.sum(w * entropy)
       loss = loss - cfg.entropy_coef * ent_loss
-      metrics["entropy_loss"] = sg(ent_loss)
+      metrics.add("entropy_loss", sg(ent_loss))
   if lp_samp is not None:
     diff = jnp.abs(lp_old - clean(lp_samp))
-    metrics["sampler_logprob_diff"] = jnp.sum(tok * diff)
-    metrics["sampler_logprob_diff_max"] = jnp.max(diff)
+    metrics.add("sampler_logprob_diff", jnp.sum(tok * diff))
+    metrics.add("sampler_logprob_diff_max", jnp.max(diff), "max")
   if cfg.tis_cap is not None:
-    metrics["tis_weight_mean"] = jnp.sum(tok * tis)
-    metrics["tis_frac_capped"] = frac(tis >= cfg.tis_cap)
+    metrics.add("tis_weight_mean", jnp.sum(tok * tis))
+    metrics.add("tis_frac_capped", frac(tis >= cfg.tis_cap))
 
   raw_lengths = jnp.sum(jnp.asarray(mask).astype(_F32), axis=-1)
-  metrics["response_length_mean"] = jnp.sum(raw_lengths) / den.num_rows
-  metrics["response_length_max"] = jnp.max(raw_lengths)
-  metrics["response_length_min"] = jnp.min(raw_lengths)
+  metrics.add("response_length_mean", jnp.sum(raw_lengths) / den.num_rows)
+  metrics.add("response_length_max", jnp.max(raw_lengths), "max")
+  metrics.add("response_length_min", jnp.min(raw_lengths), "min")
   if truncated is not None:
-    metrics["truncation_rate"] = jnp.sum(jnp.asarray(truncated).astype(_F32)) / den.num_rows
-  metrics["loss"] = sg(loss)
+    metrics.add("truncation_rate", jnp.sum(jnp.asarray(truncated).astype(_F32)) / den.num_rows)
+  metrics.add("loss", sg(loss))
   return loss, metrics
-
-
-def metric_reduction(name: str) -> str:
-  """How a `policy_loss` metric combines over the parts of a batch: "max" for *_max, "min" for
-  *_min, otherwise "sum" (every other metric is already normalised by the global denominators,
-  so the parts add up to the whole batch's value)."""
-  if name.endswith("_max"):
-    return "max"
-  if name.endswith("_min"):
-    return "min"
-  return "sum"
-
-
-def combine_metrics(acc: dict[str, jax.Array], new: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Combines two micro-batches' `policy_loss` metrics by `metric_reduction`."""
-  ops = {"max": jnp.maximum, "min": jnp.minimum, "sum": jnp.add}
-  return {key: value if key not in acc else ops[metric_reduction(key)](acc[key], value)
-          for key, value in new.items()}
-
-
-def reduce_stacked(stacked: dict[str, jax.Array], over: str) -> dict[str, jax.Array]:
-  """Reduces metrics stacked along axis 0 (the outputs of a `lax.scan`).
-
-  over="micro_batches": the parts of one optimizer update, combined by `metric_reduction`
-  (sum / max / min), which gives the update's value. over="updates": the optimizer updates of a
-  step (mini-batches x epochs), each a value in its own right: their mean, or max / min.
-  """
-  ops = {"micro_batches": {"sum": jnp.sum, "max": jnp.max, "min": jnp.min},
-         "updates": {"sum": jnp.mean, "max": jnp.max, "min": jnp.min}}[over]
-  return {key: ops[metric_reduction(key)](value, axis=0) for key, value in stacked.items()}

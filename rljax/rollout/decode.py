@@ -146,11 +146,11 @@ class CachedModel:
     cache = KVCache.init(self.config, prompt_ids.shape[0], slots)
     layers = LayerCache(constrain(cache.layers.k, ("layers", "batch", "kv_heads", "head_dim", "length")),
                         constrain(cache.layers.v, ("layers", "batch", "kv_heads", "length", "head_dim")))
-    hidden, cache = apply_model(self.config, self.params, prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
-                                cache.replace(layers=layers), return_hidden=True)
+    out = apply_model(self.config, self.params, prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
+                      cache.replace(layers=layers), return_hidden=True)
     last = _last_true(prompt_mask)
-    h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [P, D]
-    return cache, self.logits(h_last)
+    h_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [P, D]
+    return out.cache, self.logits(h_last)
 
   def forward(self, tokens, positions, token_mask, cache: DecodeCache, prefix: PrefixCache | None = None):
     """W new tokens per row: tokens, positions [B, W] int32, token_mask [B, W] bool, written at

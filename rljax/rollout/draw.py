@@ -123,8 +123,9 @@ def sample_logits(logits: jax.Array, sp: SamplingParams, key: jax.Array, rows: j
   [B]: logits row b then draws exactly what row rows[b] of a batch draw with key[b] would (its
   noise is `row_gumbel`'s), wherever it sits in this batch. Returns tokens [B] int32, logprobs
   [B] f32 and entropy [B] f32 of the un-truncated distribution log_softmax(logits /
-  sp.logprob_temperature). Only the draw is restricted by top-k / top-p / min-p. The draw is Gumbel-max in two levels (`_gumbel_draw`): a
-  block of the vocabulary by its kept mass, then a token in it, each the argmax of log-weights
+  sp.logprob_temperature). Only the draw is restricted by top-k / top-p / min-p. The draw is
+  Gumbel-max in two levels (`_gumbel_draw`): a block of the vocabulary by its kept mass, then a
+  token in it, each the argmax of log-weights
   plus Gumbel(0, 1) noise from `key` (threefry is partitionable, so the noise, and the token, do
   not depend on how the batch is sharded). Unlike an inverse-CDF draw, whose boundaries sit 1/V
   apart on a flat distribution, an argmax changes under last-bit logit differences (another

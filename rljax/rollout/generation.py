@@ -48,11 +48,11 @@ def generate(policy, prompt_ids, sp: SamplingParams, rng, prompt_mask=None, *, e
   if empty.size:
     raise ConfigError(f"prompt {int(empty[0])} is empty (no token has prompt_mask set); every prompt needs at "
                       "least one token, for example a BOS token or a chat template.")
-  ctx = config.max_position_embeddings
+  ctx = config.context_length
   longest = int(n_real.max())
   if longest > ctx:
     raise ConfigError(f"prompt {int(n_real.argmax())} has {longest} tokens, longer than the model's context "
-                      f"(model.max_position_embeddings={ctx}); truncate it.")
+                      f"(model.context_length={ctx}); truncate it.")
   bad = (ids < 0) | (ids >= config.vocab_size)
   if np.any(bad & mask):
     r, c = np.argwhere(bad & mask)[0]

@@ -44,19 +44,18 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from rljax import sharding as shd
 from rljax.errors import ConfigError
 from rljax.models.cache import DecodeCache, PrefixCache
 from rljax.models.config import ModelConfig
-from rljax.models.policy import init_params, param_logical_axes
+from rljax.models.policy import param_logical_axes
 from rljax.rollout import slots
 from rljax.rollout.decode import CachedModel, DecodeState, choose, pad_token_id
 from rljax.rollout.draw import SamplingParams
 from rljax.rollout.slots import batch_blocks, check_blocks, decode_slots
-from rljax.rollout.types import Rollout, RolloutInfo, by_rows
+from rljax.rollout.types import Rollout, RolloutInfo
 
 # The completion cache grows in up to this many stages of at least _MIN_STAGE tokens each.
 _STAGES = 4
@@ -111,17 +110,17 @@ class SampleOutput:
 
 def check_lengths(config: ModelConfig, sp: SamplingParams, prompt_len: int) -> None:
   """Static checks of a prompt width against the model's context; ConfigError naming the fix."""
-  ctx = config.max_position_embeddings
+  ctx = config.context_length
   if prompt_len < 1:
     raise ConfigError("prompt_ids has width 0: every prompt needs at least one token "
                       "(for example a BOS token or a chat template).")
   if prompt_len > ctx:
     raise ConfigError(f"prompt_ids has {prompt_len} tokens per row, longer than the model's context "
-                      f"(model.max_position_embeddings={ctx}); truncate the prompts "
+                      f"(model.context_length={ctx}); truncate the prompts "
                       "(data.max_prompt_tokens).")
   if prompt_len + sp.max_new_tokens > ctx:
     raise ConfigError(f"prompt width {prompt_len} + SamplingParams.max_new_tokens={sp.max_new_tokens} exceeds "
-                      f"the model's context (model.max_position_embeddings={ctx}); lower max_new_tokens "
+                      f"the model's context (model.context_length={ctx}); lower max_new_tokens "
                       "or the prompt length.")
 
 
@@ -306,17 +305,14 @@ def decode_params(model: ModelConfig, params, mesh, budget_bytes: int | None = N
 
 class SamplerProducer:
   """The single-turn sampler as a producer (`rljax.rollout.types.Producer`): one jitted program,
-  prompts drawn onto `mesh` by rows, every rollout array split by rows there."""
+  prompts drawn onto `mesh` by rows."""
 
-  def __init__(self, spec, mesh: jax.sharding.Mesh, prompts: int):
-    """spec: the StepSpec; prompts: P*O, the prompts of one call (all processes)."""
+  def __init__(self, generate, mesh: jax.sharding.Mesh, prompts: int):
+    """generate: the jitted `make_generate_fn` program, every rollout array split by rows on `mesh`
+    (the trainer's is rljax/trainer/setup.py `generate_program`, which `rljax plan` compiles);
+    prompts: P*O, the prompts of one call (all processes)."""
     self.sharding = shd.batch_sharding(mesh, 2, prompts)
-    generate = make_generate_fn(spec, mesh)
-    # Unconstrained, XLA may leave the rollout (and the work producing it) on one device.
-    shapes = jax.eval_shape(generate, jax.eval_shape(lambda: init_params(spec.model, jax.random.key(0))),
-                            jax.random.key(0), jax.ShapeDtypeStruct((prompts, 1), np.int32),
-                            jax.ShapeDtypeStruct((prompts, 1), bool))   # any prompt width: the same ranks
-    self._generate = jax.jit(generate, out_shardings=by_rows(mesh, shapes))
+    self._generate = generate
 
   def __call__(self, params, key, prompts) -> tuple[Rollout, RolloutInfo]:
     """Returns as soon as the generation is dispatched (the arrays are not waited for)."""

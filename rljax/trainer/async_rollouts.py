@@ -18,6 +18,7 @@ from rljax.models.policy import param_shardings
 from rljax.rollout.sampler import SamplerProducer
 from rljax.trainer import modes
 from rljax.trainer.rollouts import Decoupled, RolloutError, RunContext, StepOutput, rows_on
+from rljax.trainer.setup import generate_program
 from rljax.trainer.state import TrainState
 
 _POLL_S = 0.1           # how often a blocked thread checks for shutdown
@@ -29,7 +30,7 @@ class AsyncRollouts(Decoupled):
   mode = modes.MODES["async"]
 
   def __init__(self, ctx: RunContext, state: TrainState):
-    producer = SamplerProducer(ctx.spec, ctx.generator_mesh, ctx.batch_rows)
+    producer = SamplerProducer(generate_program(ctx.setup, ctx.generator_mesh), ctx.generator_mesh, ctx.batch_rows)
     super().__init__(ctx, state, producer, generator_mesh=ctx.generator_mesh)
     r = ctx.rollout_cfg
     self.sync_every = r.sync_every

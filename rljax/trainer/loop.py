@@ -1,31 +1,32 @@
 """The outer training loop: set up, resume, step, log, evaluate, checkpoint, export."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rljax import compile_stats
-from rljax import config as config_lib
-from rljax import sharding as shd
+from rljax import compile_stats, config as config_lib, sharding as shd
+from rljax.config.validation import check_batch_mesh
+from rljax.data import PromptBatcher, build_dataset
 from rljax.errors import ConfigError, RljaxError
 from rljax.models import lora
-from rljax.models.policy import Policy, init_params, param_shardings
-from rljax.rollout.draw import SamplingParams
+from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
 from rljax.rollout.tools import ToolRollout, TurnParams
 from rljax.rollout.types import Prompts
+from rljax.tools import ToolRunner
+from rljax.trainer import rundir, setup as setup_lib
+from rljax.trainer.checkpoint import Checkpointer
+from rljax.trainer.hooks import StepInfo, default_hooks
 from rljax.trainer.metrics import MetricsWriter, to_floats
-from rljax.trainer.optim import make_optimizer
-from rljax.trainer.state import TrainState
-from rljax.trainer.hooks import StepInfo
-from rljax.trainer.step import StepSpec
+from rljax.trainer.rollouts import RunContext, Scorer, make_runner, split_devices
+from rljax.trainer.setup import load_policy, sampling_params
+
+__all__ = ["DataExhausted", "PromptFeed", "Trainer", "TrainingStopped", "load_policy", "sampling_params"]
 
 log = logging.getLogger("rljax")
 
@@ -38,61 +39,6 @@ class TrainingStopped(RljaxError):
 
 class DataExhausted(TrainingStopped):
   """The training data ran out before train.steps; a checkpoint of the last step is saved first."""
-
-
-def load_policy(model_cfg, tokenizer_path: str = "", mesh=None) -> Policy:
-  """The policy named by config.model: pretrained weights, or a random model for tests.
-
-  With `mesh` the parameters are created sharded: each process reads only the checkpoint slices
-  its devices hold (rljax/models/io.py), and no device ever holds the whole model.
-
-  With config.model.lora.rank > 0 the config carries the LoraConfig and the (base) parameters are
-  stored in the compute dtype, model.dtype: they are frozen, so no float32 master copy is kept.
-  The adapters are made by the trainer (`lora.init_adapters`)."""
-  from rljax.models.config import ModelConfig, family_switches
-  lora_cfg = config_lib.lora_config(ml_collections.ConfigDict({"model": model_cfg}))
-  param_dtype = model_cfg.dtype if lora_cfg is not None else "float32"
-  if model_cfg.path == "random":
-    from rljax.tokenizer import load_tokenizer
-    tok = load_tokenizer(tokenizer_path) if tokenizer_path else None
-    r = model_cfg.random
-    vocab = r.vocab_size or (tok.vocab_size if tok is not None else 0)
-    if not vocab:
-      raise ConfigError("config.model.random.vocab_size=0 needs config.tokenizer to be set (or give a vocab size).")
-    mc = ModelConfig(vocab_size=vocab, hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
-                     num_layers=r.num_layers, num_heads=r.num_heads, num_kv_heads=r.num_kv_heads,
-                     head_dim=r.head_dim, architecture=r.architecture, tie_word_embeddings=r.tie_word_embeddings,
-                     **family_switches(r.architecture, r.num_layers, r.head_dim),
-                     eos_token_ids=(tok.eos_id,) if tok is not None and tok.eos_id is not None else (),
-                     dtype=model_cfg.dtype, remat=model_cfg.remat, attention=model_cfg.attention,
-                     max_position_embeddings=config_lib.RANDOM_MODEL_CONTEXT, param_dtype=param_dtype)
-    init = init_params if mesh is None else jax.jit(init_params, static_argnums=0,
-                                                    out_shardings=param_shardings(mc, mesh))
-    return Policy(mc.replace(lora=lora_cfg), init(mc, jax.random.key(r.seed)), tokenizer=tok, source="random")
-  from rljax.models.io import load_pretrained
-  policy = load_pretrained(model_cfg.path, mesh=mesh, param_dtype=param_dtype)
-  policy = dataclasses.replace(policy, config=policy.config.replace(dtype=model_cfg.dtype, remat=model_cfg.remat,
-                                                                          attention=model_cfg.attention, lora=lora_cfg))
-  if tokenizer_path:
-    from rljax.tokenizer import load_tokenizer
-    policy = dataclasses.replace(policy, tokenizer=load_tokenizer(tokenizer_path))
-  if policy.tokenizer is None:
-    raise ConfigError(f"config.model.path={model_cfg.path!r} has no tokenizer; set config.tokenizer.")
-  return policy
-
-
-def sampling_params(cfg, tokenizer, *, greedy=False, max_new_tokens=None, num_samples=None, temperature=None,
-                    stops=True, slots=0):
-  """SamplingParams from config.sampling; `stops=False` drops the stop tokens (sampling.ignore_eos);
-  `slots`: the decode slots (the training rollouts pass sampling.slots; evaluation decodes every row)."""
-  s = cfg.sampling
-  temp = s.temperature if temperature is None else temperature
-  return SamplingParams(
-      num_samples=num_samples or s.num_samples, max_new_tokens=max_new_tokens or s.max_new_tokens,
-      temperature=temp if temp > 0 else 1.0, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-      greedy=greedy or temp == 0,
-      stop_token_ids=tuple(sorted(set(tokenizer.stop_ids) | {int(i) for i in s.stop_token_ids})) if stops else (),
-      slots=slots)
 
 
 class PromptFeed:
@@ -152,57 +98,47 @@ class Trainer:
     config_lib.validate(config)
     self.config = config
     self.out_dir = config.output.dir
-    from rljax.trainer import rundir
-    # A run dir holding a run with another config is refused here, before anything is written.
+    self._setup_process()
+    learner_devices, generator_devices = split_devices(config)
+    self.mesh = shd.make_mesh(tuple(config.mesh.shape), devices=learner_devices)
+    check_batch_mesh(config, self.mesh, jax.process_count())
+    self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
+    policy = setup_lib.load_policy(config.model, config.tokenizer, mesh=self.mesh)
+    self.tokenizer = policy.tokenizer
+    # The model, the StepSpec (stop ids from the tokenizer) and the optimizer, as `rljax plan` builds them.
+    self.setup = setup_lib.build(config, policy.config, self.tokenizer)
+    self._peak_flops: float | None = None
+    self._setup_tools()
+    self._setup_data()
+    self._setup_rewards()
+    self._setup_state(policy.params)
+    del policy   # the state holds the parameters now; no second copy is kept for the run
+    self.runner = self._setup_runner()
+    self.hooks = default_hooks(self)
+
+  # ---- setup ------------------------------------------------------------------------------
+
+  def _setup_process(self):
+    """Checks the run directory (a run with another config is refused here, before anything is
+    written), joins a multi-process run and turns on compile statistics and the compile cache."""
+    config = self.config
     rundir.check_resume(config, self.out_dir, overwrite=not config.checkpoint.resume, allow_finished=True)
     os.makedirs(self.out_dir, exist_ok=True)
     shd.maybe_initialize_distributed(config.mesh.distributed or None)
     compile_stats.install()
     if config.compile.cache_dir:
       compile_stats.enable_persistent_cache(config.compile.cache_dir)
-    from rljax.trainer.rollouts import split_devices
-    learner_devices, generator_devices = split_devices(config)
-    self.mesh = shd.make_mesh(tuple(config.mesh.shape), devices=learner_devices)
-    self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
-    policy = load_policy(config.model, config.tokenizer, mesh=self.mesh)
-    self.model_config, self.tokenizer = policy.config, policy.tokenizer
-    if config.model.path != "random":   # pretrained Gemma weights need <bos> first in every prompt
-      from rljax.data.batching import check_bos
-      check_bos(self.model_config.architecture, self.tokenizer, config.data.chat_template)
-    config_lib.check_model_fits(config, self.model_config.max_position_embeddings)
-    self.loss_cfg = config_lib.loss_config(config)
-    t = config.train
-    self.oversample = config_lib.dynamic_oversample(config)
-    self._peak_flops: float | None = None
-    # Rollouts honour sampling.ignore_eos; evaluation always stops at the tokenizer's stop tokens.
-    self.sp = sampling_params(config, self.tokenizer, stops=not config.sampling.ignore_eos,
-                              slots=config.sampling.slots)
-    recompute = config_lib.recompute_old_logprobs(config)
-    self.spec = StepSpec(
-        model=self.model_config, sampling=self.sp, loss=self.loss_cfg, prompts=t.prompts_per_step,
-        mini_batches=t.mini_batches, epochs=t.epochs, micro_batches=t.micro_batches,
-        eos_ids=self.sp.stop_token_ids, oversample=self.oversample, recompute_old_logprobs=recompute,
-        gap_rows=0 if recompute else self.sp.num_samples, pack_tokens=t.pack_tokens)
-    self.batch_rows = t.prompts_per_step * self.oversample    # prompts sampled per step, all processes
-    self.total_updates = max(t.steps * t.mini_batches * t.epochs, 1)
-    self.optimizer, self.schedule = make_optimizer(config.optim, self.total_updates)
-    self._setup_tools()
-    self._setup_data()
-    self._setup_rewards()
-    self._setup_state(policy.params)
-    del policy   # the state holds the parameters now; no second copy is kept for the run
-    from rljax.trainer.rollouts import RunContext, make_runner
-    self.runner = make_runner(RunContext(
-        spec=self.spec, optimizer=self.optimizer, schedule=self.schedule, mesh=self.mesh,
-        state_shardings=self.state_shardings, batch_rows=self.batch_rows, scorer=self.scorer,
-        rollout_cfg=config.rollout, steps=t.steps, max_staleness=config_lib.max_staleness(config),
-        start_step=self.start_step, generator_mesh=self.generator_mesh,
-        tools=self.tool_rollout(self.sp) if config.tools.enabled else None,
-        pad_id=int(self.tokenizer.pad_id or 0), max_prompt_tokens=config.data.max_prompt_tokens), self.state)
-    from rljax.trainer.hooks import default_hooks
-    self.hooks = default_hooks(self)
 
-  # ---- setup ------------------------------------------------------------------------------
+  def _setup_runner(self):
+    """The runner of config.rollout.mode (trainer/rollouts.py), its programs from the setup."""
+    c = self.config
+    return make_runner(RunContext(
+        setup=self.setup, spec=self.spec, optimizer=self.optimizer, schedule=self.schedule, mesh=self.mesh,
+        state_shardings=self.state_shardings, batch_rows=self.batch_rows, scorer=self.scorer,
+        rollout_cfg=c.rollout, steps=c.train.steps, max_staleness=config_lib.max_staleness(c),
+        start_step=self.start_step, generator_mesh=self.generator_mesh,
+        tools=self.tool_rollout(self.sp) if c.tools.enabled else None,
+        pad_id=int(self.tokenizer.pad_id or 0), max_prompt_tokens=c.data.max_prompt_tokens), self.state)
 
   def _setup_tools(self):
     """The tool pool and the prompts' tool schemas, when config.tools.enabled (docs/tools.md)."""
@@ -210,7 +146,6 @@ class Trainer:
     tl = self.config.tools
     if not tl.enabled:
       return
-    from rljax.tools import ToolRunner
     self.tool_runner = ToolRunner(list(tl.names), timeout_s=tl.timeout_s, num_workers=tl.num_workers,
                                   max_memory_mb=tl.max_memory_mb,
                                   tool_kwargs=tl.kwargs.to_dict() if hasattr(tl.kwargs, "to_dict") else dict(tl.kwargs))
@@ -226,7 +161,6 @@ class Trainer:
                        eos_ids=sp.stop_token_ids)
 
   def _setup_data(self):
-    from rljax.data import PromptBatcher, build_dataset
     c = self.config
     pi, pc = jax.process_index(), jax.process_count()
     if (c.train.prompts_per_step * self.oversample) % pc:
@@ -246,40 +180,31 @@ class Trainer:
       self.eval_data = build_dataset(data_cfg, split="test", process_index=0, process_count=1)
 
   def _setup_rewards(self):
-    from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
-    from rljax.trainer.rollouts import Scorer
     spec = RewardSpec.from_dict(self.config.rewards.to_dict())
     self.component_names = [comp.name for comp in spec.components]
-    # Rewards come back sharded like the batch: left on one device, they pulled the fused step
-    # off the mesh (6x slower on 8 simulated devices, measured).
-    rows = self.batch_rows * self.sp.num_samples
+    # Rewards come back sharded like the batch (per device shard of `mesh`): left on one device,
+    # they pulled the fused step off the mesh (6x slower on 8 simulated devices, measured).
     self.scorer = Scorer(spec, lambda: RewardPool(spec), lambda pool: make_reward_fn(
-        pool, self.tokenizer.batch_decode, group_size=self.sp.num_samples,
-        sharding=shd.batch_sharding(self.mesh, 1, rows)))
+        pool, self.tokenizer.batch_decode, group_size=self.sp.num_samples, mesh=self.mesh))
+
+  # The static parts of the run (rljax/trainer/setup.py), under the names the loop and hooks use.
+  model_config = property(lambda self: self.setup.model)
+  spec = property(lambda self: self.setup.spec)
+  sp = property(lambda self: self.setup.sampling)   # rollouts honour sampling.ignore_eos; evaluation stops
+  loss_cfg = property(lambda self: self.setup.loss)
+  oversample = property(lambda self: self.setup.oversample)
+  batch_rows = property(lambda self: self.setup.batch_rows)   # prompts sampled per step, all processes
+  total_updates = property(lambda self: self.setup.total_updates)
+  optimizer = property(lambda self: self.setup.optimizer)
+  schedule = property(lambda self: self.setup.schedule)
 
   def _setup_state(self, params):
+    """The train state from the loaded parameters (setup.init_state), then the latest checkpoint's
+    when the run resumes."""
     c = self.config
-    self.param_shardings = param_shardings(self.model_config, self.mesh)
-    self.base_fingerprint = None
-    if self.model_config.lora is not None:
-      # LoRA: the loaded weights are the frozen base; the state trains a fresh set of adapters, and
-      # the base with the adapters off is the KL reference (no copy).
-      base_sh, adapter_sh = lora.split(self.param_shardings)
-      frozen = jax.device_put(params, base_sh)
-      self.base_fingerprint = lora.fingerprint(frozen)
-      adapters = lora.init_adapters(self.model_config, jax.random.fold_in(jax.random.key(c.train.seed), 1),
-                                    adapter_sh)
-      state = TrainState.create(adapters, self.optimizer, c.train.seed, frozen=frozen)
-      self.state_shardings = _state_shardings(state, self.mesh, adapter_sh, frozen_sh=base_sh)
-    else:
-      params = jax.device_put(params, self.param_shardings)
-      ref = params if self.loss_cfg.needs_reference else None
-      if ref is not None:
-        ref = jax.tree.map(jnp.copy, ref)
-      state = TrainState.create(params, self.optimizer, c.train.seed, ref_params=ref)
-      self.state_shardings = _state_shardings(state, self.mesh, self.param_shardings)
-    self.state = jax.device_put(state, self.state_shardings)
-    from rljax.trainer.checkpoint import Checkpointer
+    self.state, self.state_shardings = setup_lib.init_state(self.setup, params, self.mesh)
+    # LoRA: the adapters go with the base they were trained on; its checksum is saved with them.
+    self.base_fingerprint = lora.fingerprint(self.state.frozen) if self.state.frozen is not None else None
     self.ckpt = Checkpointer(os.path.join(self.out_dir, "checkpoints"), keep_last=c.checkpoint.keep_last,
                              keep_best=c.checkpoint.keep_best, best_metric=c.checkpoint.best_metric,
                              async_save=c.checkpoint.async_save)
@@ -472,14 +397,3 @@ class Trainer:
                       base_model_name_or_path=self.config.model.path)
     return out
 
-
-def _state_shardings(state: TrainState, mesh, param_sh, frozen_sh=None):
-  """Params, ref params and param-shaped optimizer moments by logical axes (under LoRA `param_sh`
-  is the adapters' and `frozen_sh` the base's); everything else replicated."""
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  param_struct = jax.tree.structure(state.params)
-  is_param_tree = lambda n: jax.tree.structure(n) == param_struct
-  opt_sh = jax.tree.map(lambda n: param_sh if is_param_tree(n) else replicated, state.opt_state,
-                        is_leaf=is_param_tree)
-  return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                    ref_params=None if state.ref_params is None else param_sh, frozen=frozen_sh)

@@ -43,8 +43,8 @@ from rljax.rollout.sampler import SamplerProducer
 from rljax.rollout.tools import ToolProducer, ToolRollout
 from rljax.rollout.types import Rollout, RolloutInfo, by_rows
 from rljax.trainer import modes
+from rljax.trainer.setup import generate_program, train_step_program, update_program
 from rljax.trainer.state import TrainState, rollout_key
-from rljax.trainer.step import jit_train_step, make_train_step, make_update_fn
 
 log = logging.getLogger("rljax")
 
@@ -59,9 +59,11 @@ class RolloutError(RljaxError):
 class RunContext:
   """What a runner may use: the static step, its meshes and shardings, and the scorer.
 
-  The loop builds it once; runners never see the Trainer. `tools` is the multi-turn engine
+  The loop builds it once; runners never see the Trainer. `setup` (rljax/trainer/setup.py) builds
+  the jitted programs, the same ones `rljax plan` compiles. `tools` is the multi-turn engine
   (rljax/rollout/tools.py) when config.tools.enabled.
   """
+  setup: Any                       # trainer/setup.py Setup
   spec: Any                        # trainer/step.py StepSpec
   optimizer: Any
   schedule: Callable
@@ -187,8 +189,7 @@ class FusedRollouts:
     self.ctx = ctx
     self.index = ctx.start_step
     self.batch_sharding = shd.batch_sharding(ctx.mesh, 2, ctx.batch_rows)
-    step_fn = make_train_step(ctx.spec, ctx.optimizer, ctx.scorer.reward_fn, ctx.schedule, mesh=ctx.mesh)
-    self.train_step = jit_train_step(step_fn, ctx.state_shardings, self.batch_sharding)
+    self.train_step = train_step_program(ctx.setup, ctx.mesh, ctx.state_shardings, ctx.scorer.reward_fn)
     self.counts = {"batches_generated": 0, "batches_trained": 0}
 
   def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
@@ -232,8 +233,7 @@ class Decoupled:
     self.base_rng = np.asarray(jax.device_get(state.rng))   # constant: batch k is sampled with rollout_key(., k)
     self.learner_mesh = ctx.mesh
     self.generator_mesh = generator_mesh or ctx.mesh
-    update = make_update_fn(ctx.spec, ctx.optimizer, ctx.schedule, mesh=ctx.mesh)
-    self.update = jax.jit(update, donate_argnums=(0,), out_shardings=(ctx.state_shardings, None))
+    self.update = update_program(ctx.setup, ctx.mesh, ctx.state_shardings)
     self.idle = {"generator": 0.0, "scorer": 0.0, "learner": 0.0}
     self._counts = {"batches_generated": 0, "batches_trained": 0}
 
@@ -314,7 +314,7 @@ class PipelinedRollouts(Decoupled):
     if ctx.tools is not None:
       producer = ToolProducer(ctx.tools, ctx.mesh, ctx.batch_rows)
     else:
-      producer = SamplerProducer(ctx.spec, ctx.mesh, ctx.batch_rows)
+      producer = SamplerProducer(generate_program(ctx.setup, ctx.mesh), ctx.mesh, ctx.batch_rows)
     super().__init__(ctx, state, producer)
     self.pending: Batch | None = None
 

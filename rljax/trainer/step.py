@@ -33,7 +33,7 @@ from rljax.models.config import ModelConfig
 from rljax.models.policy import apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
 from rljax.rl import LossConfig, chunked_logprobs, compute_advantages, kl_penalty, make_denominators, policy_loss
-from rljax.rl.losses import combine_metrics, metric_reduction, reduce_stacked
+from rljax.rl.metrics import Metrics
 from rljax.rollout.draw import SamplingParams
 from rljax.rollout.sampler import make_generate_fn, sampler_metrics
 from rljax.rollout.types import Rollout
@@ -83,6 +83,21 @@ class TrainBatch:
   lp_ref: Any = None
 
 
+def sequence_forward(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None):
+  """`sequence_logprobs` and the model's auxiliary losses of the same forward: (lp, ent, aux_losses),
+  aux_losses the `ModelOutput.aux_losses` dict (empty for dense models)."""
+  lp_len = prompt_ids.shape[1]
+  seq = jnp.concatenate([prompt_ids, tokens], axis=1)
+  seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
+  out = apply_model(spec.model, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True,
+                    dropout_rng=dropout_rng)
+  hidden = jax.lax.dynamic_slice_in_dim(out.hidden, lp_len - 1, tokens.shape[1], axis=1)
+  lp, ent = chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
+                             temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
+                             softcap=spec.model.final_logit_softcap)
+  return lp, ent, out.aux_losses
+
+
 def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None):
   """Teacher-forced log-probs and entropies of the completion tokens.
 
@@ -91,15 +106,25 @@ def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, m
   under logits / temperature, without materialising [B, T, V] (chunked over the vocabulary).
   dropout_rng: the LoRA dropout key of a training forward (None: no dropout).
   """
-  lp_len = prompt_ids.shape[1]
-  seq = jnp.concatenate([prompt_ids, tokens], axis=1)
-  seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
-  hidden, _ = apply_model(spec.model, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True,
-                          dropout_rng=dropout_rng)
-  hidden = jax.lax.dynamic_slice_in_dim(hidden, lp_len - 1, tokens.shape[1], axis=1)
-  return chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
-                          temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
-                          softcap=spec.model.final_logit_softcap)
+  lp, ent, _ = sequence_forward(spec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng)
+  return lp, ent
+
+
+def add_aux_losses(loss, metrics: Metrics, aux_losses: dict, share):
+  """The model's auxiliary losses added to the policy loss: loss + share * sum(aux_losses), each
+  also reported as metric `aux_<name>` (reduced by "sum" and share-weighted, so the micro-batches
+  or packed blocks of an update sum to its token-weighted mean). share: [] this forward's fraction
+  of the update's real tokens. Dense models have none: loss and metrics come back unchanged."""
+  if not aux_losses:
+    return loss, metrics
+  metrics = metrics.with_values(**{f"aux_{name}": jax.lax.stop_gradient(share * value)
+                                   for name, value in aux_losses.items()})
+  return loss + share * sum(aux_losses.values()), metrics
+
+
+def _real_tokens(prompt_mask, mask):
+  """[] float32: the real tokens a forward over prompts and completions sees."""
+  return (jnp.sum(prompt_mask) + jnp.sum(mask)).astype(jnp.float32)
 
 
 def split_groups(x: jax.Array, parts: int, group: int) -> jax.Array:
@@ -146,9 +171,9 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
   micro-batches: one copy of forward + backward in the program whatever their numbers);
   `state.step` advances by one.
 
-  Metrics: the loss metrics of one optimizer update combine over its micro-batches by their
-  reduction (`rljax.rl.losses.metric_reduction`: sum of globally normalised parts, max, min),
-  then over the step's updates (mean, max, min).
+  Metrics: the loss metrics of one optimizer update combine over its micro-batches by the
+  reduction each was declared with where it is made (`rljax.rl.metrics.Metrics`: sum of globally
+  normalised parts, max, min), then over the step's updates (mean, max, min).
   """
   cfg = spec.loss
   g = spec.group
@@ -159,35 +184,39 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
   def logprobs(params, b, dropout_rng=None):
     return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask, dropout_rng)
 
-  def loss_fn(trainable, frozen, mb: TrainBatch, den, key):
+  def loss_fn(trainable, frozen, mb: TrainBatch, den, key, total_tokens):
     # Under LoRA `trainable` is the adapters and the gradient is theirs alone; `frozen` is None otherwise.
     params = trainable if frozen is None else lora.join(frozen, trainable)
-    lp, ent = logprobs(params, mb, key if lora_dropout else None)
-    return policy_loss(lp, mb.lp_old, mb.adv, mb.mask, den, cfg, lp_ref=mb.lp_ref, lp_samp=mb.lp_samp, entropy=ent,
-                       truncated=mb.truncated)
+    lp, ent, aux = sequence_forward(spec, params, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.context_mask,
+                                    key if lora_dropout else None)
+    loss, metrics = policy_loss(lp, mb.lp_old, mb.adv, mb.mask, den, cfg, lp_ref=mb.lp_ref, lp_samp=mb.lp_samp,
+                                entropy=ent, truncated=mb.truncated)
+    return add_aux_losses(loss, metrics, aux, _real_tokens(mb.prompt_mask, mb.context_mask) / total_tokens)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def accumulate(params, frozen, batch: TrainBatch, key):
     """Loss, summed grads and combined metrics over micro-batches (whole groups each)."""
     den = make_denominators(batch.mask, g, cfg, truncated=batch.truncated)
+    total_tokens = _real_tokens(batch.prompt_mask, batch.context_mask)
     micro = jax.tree.map(lambda x: split_groups(x, spec.micro_batches, g), batch)
 
     def body(carry, xs):
       loss_acc, grads_acc = carry
       mb, i = xs
-      (loss, metrics), grads = grad_fn(params, frozen, mb, den, jax.random.fold_in(key, i))
+      (loss, metrics), grads = grad_fn(params, frozen, mb, den, jax.random.fold_in(key, i), total_tokens)
       return (loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads)), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
                                           (micro, jnp.arange(spec.micro_batches)))
-    return loss, grads, reduce_stacked(metrics, over="micro_batches")
+    return loss, grads, metrics.reduce_stacked(over="micro_batches")
 
   def accumulate_packed(params, frozen, batch: TrainBatch, key):
     """`accumulate` over packed blocks of real tokens (trainer/packing.py): as many blocks as the
     rows' real tokens fill, each R bins of W = Lp + T tokens. Same loss, grads and metrics."""
     den = make_denominators(batch.mask, g, cfg, truncated=batch.truncated)
+    total_tokens = _real_tokens(batch.prompt_mask, batch.context_mask)
     width = batch.prompt_ids.shape[1] + batch.tokens.shape[1]
     bins = max(1, spec.pack_tokens // width)
     layout = packing.pack(batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.context_mask, bins)
@@ -196,36 +225,36 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     def block_loss(trainable, k):
       params = trainable if frozen is None else lora.join(frozen, trainable)
       tok, seg, pos = (shd.constrain(x, ("batch", "length")) for x in packing.block_inputs(layout, k, bins))
-      hidden, _ = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True,
-                              dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None)
-      lp, ent = chunked_logprobs(hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
+      out = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True,
+                        dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None)
+      lp, ent = chunked_logprobs(out.hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
                                  temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
                                  softcap=spec.model.final_logit_softcap)
       pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)))
       lp, ent = (packing.gather_completion(pad(x), layout, k, bins, t) for x in (lp, ent))
       mask = batch.mask & (layout.block == k)[:, None]
-      return policy_loss(lp, batch.lp_old, batch.adv, mask, den, cfg, lp_ref=batch.lp_ref, lp_samp=batch.lp_samp,
-                         entropy=ent, truncated=batch.truncated)
+      loss, metrics = policy_loss(lp, batch.lp_old, batch.adv, mask, den, cfg, lp_ref=batch.lp_ref,
+                                  lp_samp=batch.lp_samp, entropy=ent, truncated=batch.truncated)
+      return add_aux_losses(loss, metrics, out.aux_losses, jnp.sum(seg > 0).astype(jnp.float32) / total_tokens)
 
     block_grad = jax.value_and_grad(block_loss, has_aux=True)
     shapes = jax.eval_shape(block_loss, params, jnp.int32(0))[1]
-    init = {k: jnp.full(v.shape, {"sum": 0.0, "max": -jnp.inf, "min": jnp.inf}[metric_reduction(k)], v.dtype)
-            for k, v in shapes.items()}
+    init = shapes.identity()
 
     def body(k, carry):
       loss_acc, grads_acc, metrics_acc = carry
       (loss, metrics), grads = block_grad(params, k)
-      return loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads), combine_metrics(metrics_acc, metrics)
+      return loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads), metrics_acc.combine(metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     loss, grads, metrics = jax.lax.fori_loop(0, layout.num_blocks, body, (jnp.zeros((), jnp.float32), zeros, init))
     # Lengths over every row of the update, not per block (a block's other rows are masked out).
     lengths = batch.mask.sum(-1).astype(jnp.float32)
-    metrics.update(response_length_max=lengths.max(), response_length_min=lengths.min(),
-                   truncation_rate=batch.truncated.astype(jnp.float32).mean(),
-                   packed_blocks=layout.num_blocks.astype(jnp.float32),
-                   packed_tokens=(layout.num_blocks * bins * width).astype(jnp.float32),
-                   padded_tokens=jnp.asarray(lengths.shape[0] * width, jnp.float32))
+    metrics = metrics.with_values(
+        response_length_max=lengths.max(), response_length_min=lengths.min(),
+        truncation_rate=batch.truncated.astype(jnp.float32).mean(), packed_blocks=layout.num_blocks.astype(jnp.float32),
+        packed_tokens=(layout.num_blocks * bins * width).astype(jnp.float32),
+        padded_tokens=jnp.asarray(lengths.shape[0] * width, jnp.float32))
     return loss, grads, metrics
 
   def optimizer_update(state: TrainState, mb: TrainBatch, index):
@@ -234,10 +263,10 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skipped = skip_counts(opt_state)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
-                   skipped=(skipped["total"] > skip_counts(state.opt_state)["total"]).astype(jnp.float32))
+    metrics = metrics.with_values(loss=loss, grad_norm=optax.tree.norm(grads),
+                                  skipped=(skipped["total"] > skip_counts(state.opt_state)["total"]).astype(jnp.float32))
     if learning_rate_fn is not None:
-      metrics["learning_rate"] = learning_rate_fn(state.step * updates_per_step + index)
+      metrics = metrics.with_values(learning_rate=learning_rate_fn(state.step * updates_per_step + index))
     return state.replace(params=params, opt_state=opt_state), metrics
 
   def train_batch(state: TrainState, rollout: Rollout) -> tuple[TrainBatch, dict]:
@@ -290,7 +319,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
         return optimizer_update(state, mb, index)
 
       state, per_update = jax.lax.scan(one_update, state, jnp.arange(updates_per_step))
-      metrics.update(reduce_stacked(per_update, over="updates"))
+      metrics.update(per_update.reduce_stacked(over="updates"))
       skipped = skip_counts(state.opt_state)
       metrics["skipped_consecutive"] = skipped["consecutive"].astype(jnp.float32)
       metrics["skipped_total"] = skipped["total"].astype(jnp.float32)
