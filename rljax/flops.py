@@ -53,17 +53,19 @@ def train_flops(config, tokens: int, context: float) -> float:
 
 def rollout_step_flops(config, *, sample_prompts: int, update_prompts: int, group: int, prompt_len: int,
                        decode_steps: int, completion_len: int, epochs: int = 1,
-                       extra_forwards: int = 0) -> dict[str, float]:
+                       extra_forwards: int = 0, decode_rows: int | None = None) -> dict[str, float]:
   """FLOPs of one generate-score-update step, by phase.
 
   sample: one prefill per prompt ([sample_prompts, prompt_len]), then `decode_steps` tokens for
-  each of sample_prompts * group rows. update: forward + backward (`train_flops`) over
+  each of `decode_rows` rows (default sample_prompts * group, one per sample; fewer with the
+  sampler's decode slots, sampling.slots). update: forward + backward (`train_flops`) over
   [update_prompts * group, prompt_len + completion_len] per epoch, plus `extra_forwards` forwards
   (a reference model, recomputed old log-probs). The two prompt counts differ under dynamic
   sampling, which generates for more prompts than it trains on.
   """
   prefill = forward_flops(config, sample_prompts * prompt_len, prompt_len / 2)
-  decode = forward_flops(config, sample_prompts * group * decode_steps, prompt_len + decode_steps / 2)
+  rows = sample_prompts * group if decode_rows is None else decode_rows
+  decode = forward_flops(config, rows * decode_steps, prompt_len + decode_steps / 2)
   seq = prompt_len + completion_len
   tokens = update_prompts * group * seq
   update = epochs * train_flops(config, tokens, seq / 2) + extra_forwards * forward_flops(config, tokens, seq / 2)

@@ -62,6 +62,21 @@ def test_staleness_zero_reproduces_the_fused_mode(tmp_path, fused, mode):
     assert len(trainer.mesh.devices.flat) == 4 and len(trainer.generator_mesh.devices.flat) == 4
 
 
+def test_decode_slots_reproduce_the_fused_mode(tmp_path, fused):
+  """sampling.slots = rows / 4 (continuous batching, rljax/rollout/slots.py) in the async mode (the
+  sampler producer on 4 generator devices: 4 blocks of 4 slots): the same rollouts and updates as
+  the fused mode with one slot per row, with 4x the decode steps (every row of the smoke model
+  runs to the budget, so each slot decodes 4 rows in turn, fully used)."""
+  want = fused[0][:2]
+  got, _, _ = run_steps(smoke(tmp_path, "sampling.slots=16", "train.steps=2", "rollout.mode='async'",
+                              "rollout.max_staleness=0"), 2)
+  for a, b in zip(got, want):
+    assert a["sampler/tokens"] == b["sampler/tokens"] and a["reward/mean"] == b["reward/mean"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    assert a["sampler/decode_steps"] == 4 * b["sampler/decode_steps"] == 4 * 7
+    assert a["sampler/slot_utilisation"] == b["sampler/slot_utilisation"] == 1.0
+
+
 @pytest.mark.parametrize("mode", ["pipelined", "async"])
 def test_one_step_off_policy_is_corrected(tmp_path, fused, mode):
   """Staleness 1: lp_old is recomputed (the proximal policy) and the TIS weight corrects the sampler's."""

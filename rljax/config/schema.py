@@ -138,6 +138,10 @@ SCHEMA = Section(
         min_p=Field(0.0, "drop tokens less likely than min_p times the most likely one (0 = off)"),
         ignore_eos=Field(False, "generate max_new_tokens in every row (benchmarks; vLLM's ignore_eos)"),
         stop_token_ids=Field([], "extra ids that end a completion, besides the tokenizer's stop tokens"),
+        slots=Field(0, "decode slots (continuous batching): 0 = one per row (prompts x num_samples); fewer: rows "
+                       "decode that many at a time, a finished row's slot taking the next one. Same samples; "
+                       "per-step compute and completion KV cache scale with slots. Lower it when lengths have a "
+                       "long tail (docs/sampling.md)"),
     ),
     rl=Section(
         "the loss: a preset plus every LossConfig field; None keeps the preset's value (docs/loss.md)",

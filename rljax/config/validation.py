@@ -60,6 +60,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.sampling.temperature={s.temperature} must be >= 0 (0 means greedy).")
   if not 0.0 < s.top_p <= 1.0:
     raise ConfigError(f"config.sampling.top_p={s.top_p} must be in (0, 1].")
+  _validate_slots(c)
   if o.learning_rate <= 0:
     raise ConfigError(f"config.optim.learning_rate={o.learning_rate} must be > 0.")
   if o.schedule not in SCHEDULES:
@@ -122,6 +123,30 @@ def _validate_eval_data(c: ml_collections.ConfigDict) -> None:
         "training prompts. Give the source one path per split, e.g. path={'train': '/data/train.jsonl', "
         "'test': '/data/test.jsonl'}; or turn evaluation off (eval.every=0, eval.before_and_after=False); or "
         "set eval.allow_training_data=True to evaluate on training data on purpose.")
+
+
+def _validate_slots(c: ml_collections.ConfigDict) -> None:
+  """sampling.slots: the single-turn sampler's decode slots (docs/sampling.md). Whether the mesh's
+  batch shards divide it is checked once the mesh exists (rljax.rollout.slots.check_blocks)."""
+  s = c.sampling
+  _positive(c, "sampling.slots", s.slots, allow_zero=True)
+  if not s.slots:
+    return
+  prompts = c.train.prompts_per_step * dynamic_oversample(c)
+  rows = prompts * s.num_samples
+  if s.slots > rows:
+    raise ConfigError(f"config.sampling.slots={s.slots} is more than the rows sampled per step ({prompts} prompts x "
+                      f"{s.num_samples} samples = {rows}); every row already has a slot: set at most {rows}, or 0.")
+  if c.tools.enabled:
+    raise ConfigError(
+        "config.sampling.slots with tools.enabled: decode slots are the single-turn sampler's; the multi-turn "
+        "engine decodes every trajectory in its own row while others wait for tools (its tools.slots is the "
+        "cache length of each row, another thing). Leave sampling.slots=0.")
+  if c.rollout.mode == "partial":
+    raise ConfigError(
+        "config.sampling.slots with rollout.mode='partial': the partial mode already refills its decode batch "
+        "between rounds (finished groups leave the pool, fresh ones join) and decodes every row of its pool from "
+        "its own history; size that batch with rollout.oversample. Leave sampling.slots=0.")
 
 
 def _names(names) -> str:

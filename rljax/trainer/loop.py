@@ -281,15 +281,20 @@ class Trainer:
   def _perf_metrics(self, m: dict[str, float], prompt_len: int) -> dict[str, float]:
     """Achieved FLOP/s per phase and as a fraction of the devices' peak (rljax/flops.py)."""
     from rljax import flops
+    from rljax.rollout.slots import decode_slots
     if self._peak_flops is None:
       self._peak_flops, source = flops.device_peak_flops(self.config.model.dtype)
       log.info("peak for perf/mfu: %.3g FLOP/s (%s)", self._peak_flops, source)
     t, spec = self.config.train, self.spec
     extra = int(self.loss_cfg.needs_reference) + int(spec.recompute_old_logprobs)
+    rows = t.prompts_per_step * self.oversample * spec.group
+    steps, decode_rows = int(m["response_length_max"]), None
+    if "sampler/decode_steps" in m:   # the sampler's own count; its decode slots (sampling.slots) did the work
+      steps, decode_rows = int(m["sampler/decode_steps"]) + 1, decode_slots(spec.sampling, rows)
     work = flops.rollout_step_flops(
         spec.model, sample_prompts=t.prompts_per_step * self.oversample, update_prompts=t.prompts_per_step,
-        group=spec.group, prompt_len=prompt_len, decode_steps=int(m["response_length_max"]),
-        completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra)
+        group=spec.group, prompt_len=prompt_len, decode_steps=steps,
+        completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra, decode_rows=decode_rows)
     out = {"perf/flops_per_s": (work["sample"] + work["update"]) / max(m["time/step"], 1e-9)}
     out["perf/mfu"] = flops.utilization(out["perf/flops_per_s"], self._peak_flops)
     # In the decoupled modes a phase's time is the wait for it, not its duration: no per-phase MFU.

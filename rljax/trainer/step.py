@@ -35,7 +35,7 @@ from rljax.models.transformer import positions_from_mask
 from rljax.rl import LossConfig, chunked_logprobs, compute_advantages, kl_penalty, make_denominators, policy_loss
 from rljax.rl.metrics import Metrics
 from rljax.rollout.draw import SamplingParams
-from rljax.rollout.sampler import make_generate_fn
+from rljax.rollout.sampler import make_generate_fn, sampler_metrics
 from rljax.rollout.types import Rollout
 from rljax.trainer import packing
 from rljax.trainer.optim import skip_counts
@@ -304,6 +304,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     with shd.activate(mesh):
       metrics = {"sampler/tokens": rollout.lengths.sum().astype(jnp.float32),
                  "sampler/entropy": _masked_mean(rollout.entropy, rollout.mask)}
+      if rollout.decode_step is not None:
+        metrics.update(sampler_metrics(rollout, spec.sampling))
       if spec.oversample > 1:
         rollout, dyn = _select_groups(spec, rollout)
         metrics.update(dyn)
