@@ -59,39 +59,6 @@ examples:
   rljax train --gin_file configs/default.gin --gin_bindings 'train.steps = 4'"""
 
 
-def _default_config_path() -> str:
-  return os.path.join(os.path.dirname(__file__), "configs", "default.py")
-
-
-def build_config(path: str | None, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
-                 overrides: Sequence[str] = (), validate: bool = True):
-  """The run config: the recipe at `path` (a .py or .gin file; None: the embedded default, or
-  base_config() when gin files are given), then gin files, gin bindings and --config overrides."""
-  from rljax import config as config_lib
-  from rljax.config_overrides import apply_overrides, load_config_file
-  from rljax.gin_config import apply_gin
-  if path is not None:
-    cfg = load_config_file(path)
-  elif gin_files:
-    cfg = config_lib.base_config()
-  else:
-    cfg = load_config_file(_default_config_path())
-  apply_gin(cfg, gin_files, gin_bindings)
-  apply_overrides(cfg, overrides)
-  if validate:
-    config_lib.validate(cfg)
-  return cfg
-
-
-def resolve_config(argv: Sequence[str]):
-  """Loads --config (or the default recipe), applies --gin_file / --gin_bindings and --config.x=y
-  overrides, validates. Returns (config, the other arguments)."""
-  from rljax.config_overrides import split_config_args, split_gin_args
-  gin_files, gin_bindings, argv = split_gin_args(argv)
-  path, overrides, rest = split_config_args(argv)
-  return build_config(path, gin_files, gin_bindings, overrides), rest
-
-
 def _train_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="rljax train", description=TRAIN_DESCRIPTION, epilog=TRAIN_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -208,12 +175,12 @@ def _dry_run(cfg) -> int:
 
 
 def cmd_train(argv: Sequence[str]) -> int:
-  from rljax.config_overrides import split_config_args, split_gin_args
+  from rljax import config as config_lib
   given = list(argv)
-  gin_files, gin_bindings, argv = split_gin_args(argv)
-  path, overrides, rest = split_config_args(argv)
+  gin_files, gin_bindings, argv = config_lib.split_gin_args(argv)
+  path, overrides, rest = config_lib.split_config_args(argv)
   args = _train_parser().parse_args(rest)   # --help ends here, before anything loads
-  cfg = build_config(path, gin_files, gin_bindings, overrides)
+  cfg = config_lib.build_config(path, gin_files, gin_bindings, overrides)
   from rljax.trainer import rundir
   from rljax.trainer.runlock import RunLock
   if args.overwrite and cfg.checkpoint.resume:
@@ -304,9 +271,8 @@ def _print_summary(summary) -> None:
 def cmd_config(argv: Sequence[str]) -> int:
   """`rljax config show [--config FILE] [--gin_file F] [--config.FIELD=VALUE ...]`."""
   from rljax import config as config_lib
-  from rljax.config_overrides import split_config_args, split_gin_args
-  gin_files, gin_bindings, argv = split_gin_args(argv)
-  path, overrides, rest = split_config_args(argv)
+  gin_files, gin_bindings, argv = config_lib.split_gin_args(argv)
+  path, overrides, rest = config_lib.split_config_args(argv)
   parser = argparse.ArgumentParser(
       prog="rljax config", formatter_class=argparse.RawDescriptionHelpFormatter,
       description="show: print every config field as `name = value  # help`, with its default where the recipe "
@@ -315,7 +281,7 @@ def cmd_config(argv: Sequence[str]) -> int:
   parser.add_argument("action", choices=("show",))
   parser.add_argument("--config", metavar="FILE", help="the recipe (.py or .gin)")
   parser.parse_args(rest)
-  cfg = build_config(path, gin_files, gin_bindings, overrides, validate=False)
+  cfg = config_lib.build_config(path, gin_files, gin_bindings, overrides, validate=False)
   source = path or ("rljax.config.base_config() + gin" if gin_files else
                     "the embedded default, configs/default.py")
   print(f"# rljax config of {source}; `(default X)` marks a value that differs from rljax.config.base_config().")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rljax import cli
-from rljax.config_overrides import apply_overrides, load_config_file
+from rljax.config import apply_overrides, load_config_file
 from rljax.trainer import rundir
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")

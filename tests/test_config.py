@@ -4,8 +4,7 @@ import os
 import pytest
 
 from rljax import config as config_lib
-from rljax.cli import resolve_config
-from rljax.config_overrides import apply_overrides, load_config_file, split_config_args
+from rljax.config import apply_overrides, load_config_file, resolve_config, split_config_args
 from rljax.errors import ConfigError
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "rljax", "configs")
@@ -167,6 +166,10 @@ def test_field_help_and_describe():
   help_ = config_lib.field_help()
   assert "rollout steps" in help_["train.steps"] and "G: completions per prompt" in help_["sampling.num_samples"]
   assert "dr_grpo" in help_["rl.preset"] and "leave-one-out" in help_["rl.mean_scope"]
+  # Every field and section is documented where it is declared (rljax/config/schema.py).
+  fields = config_lib.flatten(config_lib.base_config().to_dict())
+  sections = {name.rsplit(".", i)[0] for name in fields for i in range(1, name.count(".") + 1)}
+  assert set(fields) | sections <= set(help_) and all(help_[name] for name in set(fields) | sections)
   text = config_lib.describe_fields(_cfg())
   assert "train.steps = 24   (default 10)" in text and "# rollout steps" in text
   assert "tokenizer = \"\"" in text and "rl.clip_high = null" in text

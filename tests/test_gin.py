@@ -6,10 +6,8 @@ import sys
 import pytest
 
 from rljax import config as config_lib
-from rljax.cli import resolve_config
-from rljax.config_overrides import load_config_file, split_gin_args
+from rljax.config import apply_gin, load_config_file, resolve_config, split_gin_args
 from rljax.errors import ConfigError
-from rljax.gin_config import apply_gin
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "rljax", "configs")
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from rljax.config_overrides import apply_overrides, load_config_file
+from rljax.config import apply_overrides, load_config_file
 from rljax.errors import ConfigError
 from rljax.trainer import rundir
 from rljax.trainer.rundir import RunFinished

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from rljax import gguf_file
 from rljax.errors import WeightsError
 from rljax.models.config import ModelConfig, RopeScaling
 
@@ -131,10 +132,8 @@ def rope_scaling_from_freqs(freqs: np.ndarray, head_dim: int, theta: float, sour
   return rs
 
 
-def _reader_class():
-  """GGUFReader over a plain ndarray view of the memory map (`rljax.tokenizer.gguf.plain_reader_class`)."""
-  from rljax.tokenizer.gguf import plain_reader_class
-  return plain_reader_class()
+# GGUFReader over a plain ndarray view of the memory map (one place: rljax/gguf_file.py).
+_reader_class = gguf_file.plain_reader_class
 
 
 class GGUFCheckpoint:
@@ -153,9 +152,9 @@ class GGUFCheckpoint:
       raise WeightsError(f"{self.path}: reading GGUF files needs the `gguf` package; run: pip install gguf") from None
     try:
       self._reader = reader_class(self.path, "r")
+      self._meta = gguf_file.read_metadata(self.path)
     except Exception as e:  # the reader raises ValueError, struct/numpy errors, etc. on corrupt files
       raise WeightsError(f"{self.path}: not a valid GGUF file ({type(e).__name__}: {e}).") from None
-    self._fields = self._reader.fields
     self.architecture = self._string("general.architecture")
     if self.architecture not in SUPPORTED_ARCHITECTURES:
       raise WeightsError(f"{self.path}: GGUF architecture {self.architecture!r} is not supported; rljax supports "
@@ -177,17 +176,11 @@ class GGUFCheckpoint:
   # ---- metadata ---------------------------------------------------------------------------
 
   def has(self, key: str) -> bool:
-    return key in self._fields
+    return key in self._meta
 
   def value(self, key: str, default: Any = None) -> Any:
-    """A scalar or string metadata value (`default` when absent)."""
-    field = self._fields.get(key)
-    if field is None:
-      return default
-    try:
-      return field.contents()
-    except Exception as e:
-      raise WeightsError(f"{self.path}: metadata {key!r} is unreadable ({e}).") from None
+    """A metadata value (`default` when absent)."""
+    return self._meta.get(key, default)
 
   def _string(self, key: str) -> str:
     v = self.value(key)
@@ -220,9 +213,9 @@ class GGUFCheckpoint:
     scaling = None
     if rope_freqs is not None:
       scaling = rope_scaling_from_freqs(self._dequantize(rope_freqs), head_dim, theta, self.path)
-    tokens = self._fields.get("tokenizer.ggml.tokens")
+    tokens = self.value("tokenizer.ggml.tokens")
     if tokens is not None:
-      vocab = len(tokens.data)
+      vocab = len(tokens)
     elif self.has(f"{a}.vocab_size"):
       vocab = self._int(f"{a}.vocab_size")
     elif "model.embed_tokens.weight" in self._tensors:

@@ -129,7 +129,7 @@ def main(argv: Sequence[str]) -> int:
   """`rljax plan ...`: prints the plan; returns 0 when every program fits (or there is no limit to
   check against), NO_FIT (3) when one does not."""
   _compile_only()
-  from rljax.cli import resolve_config
+  from rljax.config import resolve_config
   config, rest = resolve_config(list(argv))
   args = _parser().parse_args(rest)
   topo = parse_topology(args.topology).with_hbm(args.hbm_gib)

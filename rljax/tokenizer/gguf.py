@@ -1,4 +1,4 @@
-"""Tokenizers stored in GGUF metadata (`tokenizer.ggml.*`), read with the `gguf` package's `GGUFReader`.
+"""Tokenizers stored in GGUF metadata (`tokenizer.ggml.*`), read by rljax/gguf_file.py (no `gguf` package needed).
 
 Two vocabulary kinds are supported: `gpt2` (byte-level BPE, built here) and `llama` (a sentencepiece BPE
 vocabulary with scores, rebuilt by `sentencepiece.build_sentencepiece`). The split a byte-level vocabulary
@@ -9,11 +9,11 @@ from __future__ import annotations
 import warnings
 from typing import Any, Mapping
 
-import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from rljax.errors import TokenizerError
+from rljax.gguf_file import GGUFFormatError, read_metadata
 from rljax.tokenizer import sentencepiece as spm
 from rljax.tokenizer.base import Tokenizer, bos_eos_post_processor, ensure_special_added
 
@@ -71,67 +71,11 @@ def load_gguf(path: str) -> Tokenizer:
 def read_tokenizer_metadata(path: str) -> dict[str, Any]:
   """The `tokenizer.*` metadata of a GGUF file as Python values (strings, numbers, lists), tensors unread."""
   try:
-    with open(path, "rb") as f:
-      head = f.read(8)
+    return read_metadata(path, keep=lambda key: key.startswith("tokenizer."))
   except OSError as err:
     raise TokenizerError(f"{path}: cannot read ({err}).") from err
-  if head[:4] != b"GGUF":
-    raise TokenizerError(f"{path}: not a GGUF file (bad magic {head[:4]!r}).")
-  if len(head) < 8:
-    raise TokenizerError(f"{path}: corrupt or truncated GGUF header (the file ends after {len(head)} bytes).")
-  version = int.from_bytes(head[4:8], "little")
-  version = version if version < 0x10000 else int.from_bytes(head[4:8], "big")  # a big-endian file
-  if version not in (2, 3):
-    raise TokenizerError(f"{path}: GGUF version {version} is not supported (need 2 or 3).")
-  try:
-    reader = _metadata_reader_class()(path, "r")
-  except ImportError:
-    raise TokenizerError(f"{path}: reading GGUF files needs the `gguf` package; run: pip install gguf") from None
-  except Exception as err:  # the reader raises ValueError, IndexError, numpy errors, ... on cut or corrupt files
-    raise TokenizerError(f"{path}: corrupt or truncated GGUF header ({type(err).__name__}: {err}).") from err
-  return {key: _field_value(field) for key, field in reader.fields.items() if key.startswith("tokenizer.")}
-
-
-def plain_reader_class():
-  """`gguf.GGUFReader` over a plain ndarray view of the memory map.
-
-  The reader slices its buffer once per metadata value (~250k times for a 49k-token vocabulary); on
-  an np.memmap each slice pays the subclass's bookkeeping, which makes opening SmolLM2 take several
-  times longer. The view shares the mapped buffer, so tensors are still read lazily from disk. The
-  model loader (`rljax.models.gguf_io`) uses it too; this module imports no jax.
-  """
-  from gguf import GGUFReader  # pylint: disable=import-outside-toplevel
-
-  class PlainReader(GGUFReader):
-    @property
-    def data(self):
-      return self._plain_data
-
-    @data.setter
-    def data(self, value):
-      self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-  return PlainReader
-
-
-def _metadata_reader_class():
-  """`plain_reader_class` minus the tensor table: tensors are never read here, so a file whose
-  tensor data is cut short still yields its tokenizer."""
-
-  class MetadataReader(plain_reader_class()):
-    def _build_tensors(self, start_offs, fields):
-      del start_offs, fields
-
-  return MetadataReader
-
-
-def _field_value(field) -> Any:
-  """A metadata field as Python values; strings are decoded leniently (invalid UTF-8 -> U+FFFD)."""
-  try:
-    return field.contents()
-  except UnicodeDecodeError:
-    strings = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-    return strings if len(field.types) > 1 else strings[0]  # [ARRAY, STRING] or [STRING]
+  except GGUFFormatError as err:
+    raise TokenizerError(f"{path}: {err}.") from None
 
 
 def _token(meta: Mapping[str, Any], key: str) -> str | None:

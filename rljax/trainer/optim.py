@@ -4,6 +4,10 @@ from __future__ import annotations
 import jax
 import optax
 
+from rljax.errors import ConfigError
+
+SCHEDULES = ("constant", "cosine", "linear")   # config.optim.schedule
+
 
 def learning_rate_schedule(optim_cfg, total_updates: int) -> optax.Schedule:
   """Warmup from 0 to the peak rate, then constant, cosine or linear decay to min_lr_ratio * peak."""
@@ -15,8 +19,10 @@ def learning_rate_schedule(optim_cfg, total_updates: int) -> optax.Schedule:
     after = optax.constant_schedule(peak)
   elif optim_cfg.schedule == "cosine":
     after = optax.cosine_decay_schedule(peak, decay_steps, alpha=floor / peak if peak else 0.0)
-  else:
+  elif optim_cfg.schedule == "linear":
     after = optax.linear_schedule(peak, floor, decay_steps)
+  else:
+    raise ConfigError(f"config.optim.schedule={optim_cfg.schedule!r} is not one of {SCHEDULES}.")
   if warmup == 0:
     return after
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])

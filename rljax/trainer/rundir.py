@@ -38,6 +38,7 @@ import re
 import shutil
 from typing import Any, Mapping
 
+from rljax.config.schema import base_config, flatten, to_json
 from rljax.errors import ConfigError, RljaxError
 
 log = logging.getLogger(__name__)
@@ -129,35 +130,23 @@ def saved_config(out_dir: str) -> dict | None:
 
 def config_dict(config) -> dict:
   """A config as the plain JSON dict that `config.json` holds."""
-  from rljax import config as config_lib
-  return json.loads(config_lib.to_json(config))
+  return json.loads(to_json(config))
 
 
 def write_config(config, out_dir: str | None = None) -> str:
   """Writes the resolved config to `<out_dir>/config.json` (call it when training starts, from the
   writing process only). Returns the path."""
-  from rljax import config as config_lib
   out_dir = out_dir or config.output.dir
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, CONFIG_FILE)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
-    f.write(config_lib.to_json(config))
+    f.write(to_json(config))
   os.replace(tmp, path)
   return path
 
 
 # ---- comparing configs -------------------------------------------------------------------------
-
-
-def flatten_config(tree: Any, prefix: str = "") -> dict[str, Any]:
-  """{"train.steps": 10, ...}; lists (data.sources, mesh.shape) stay whole values."""
-  if isinstance(tree, Mapping) and (tree or not prefix):
-    out = {}
-    for k, v in tree.items():
-      out.update(flatten_config(v, f"{prefix}{k}."))
-    return out
-  return {prefix[:-1]: tree}
 
 
 def may_differ(field: str) -> bool:
@@ -170,10 +159,9 @@ def config_diff(old: Mapping, new: Mapping) -> list[tuple[str, Any, Any]]:
   A field the old config lacks (added to rljax since) counts as its current default; a field
   the new schema lacks (removed since) is ignored.
   """
-  from rljax import config as config_lib
-  defaults = flatten_config(config_dict(config_lib.base_config()))
-  before = {**defaults, **flatten_config(old)}
-  after = flatten_config(new)
+  defaults = flatten(config_dict(base_config()))
+  before = {**defaults, **flatten(old)}
+  after = flatten(new)
   return [(k, before.get(k), after[k]) for k in sorted(after)
           if not may_differ(k) and before.get(k, after[k]) != after[k]]
 

@@ -1,0 +1,212 @@
+"""Validation of the run config: types, ranges and contradictions, before anything heavy starts.
+
+Every check raises ConfigError naming the field (`config.train.steps=...`) and the fix. The
+lists of allowed values come from their owners (attention backends from rljax.models.config,
+tool formats from rljax.tools, schedules from rljax.trainer.optim).
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from rljax.config.derive import dynamic_oversample, lora_config, loss_config, max_staleness
+from rljax.config.schema import base_config
+from rljax.data.config import eval_reads_training_data
+from rljax.errors import ConfigError
+from rljax.models.config import ATTENTION_IMPLS
+from rljax.tools.parsing import FORMATS as TOOL_FORMATS
+from rljax.trainer.optim import SCHEDULES
+
+ROLLOUT_MODES = ("fused", "pipelined", "async", "partial")
+PROXIMAL = ("recompute", "sampler")   # the off-policy modes' lp_old (docs/rollouts.md)
+ASYNC_ONLY = ("generator_devices", "sync_every", "queue_size")   # rollout fields only the async mode reads
+PARTIAL_ONLY = ("oversample",)                                    # rollout fields only the partial mode reads
+# The compute dtypes a run trains in (ModelConfig also takes float16, for inference).
+MODEL_DTYPES = ("float32", "bfloat16")
+
+
+def _positive(c, path: str, value, allow_zero=False):
+  if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
+    raise ConfigError(f"config.{path}={value!r} must be an integer {'>= 0' if allow_zero else '>= 1'}.")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Checks types, ranges and contradictions; raises ConfigError naming the field and the fix."""
+  s, t, o = c.sampling, c.train, c.optim
+  _positive(c, "sampling.num_samples", s.num_samples)
+  _positive(c, "sampling.max_new_tokens", s.max_new_tokens)
+  _positive(c, "train.steps", t.steps, allow_zero=True)
+  _positive(c, "train.prompts_per_step", t.prompts_per_step)
+  _positive(c, "train.mini_batches", t.mini_batches)
+  _positive(c, "train.epochs", t.epochs)
+  _positive(c, "train.micro_batches", t.micro_batches)
+  _validate_packing(c)
+  _positive(c, "data.max_prompt_tokens", c.data.max_prompt_tokens)
+  if t.prompts_per_step % (t.mini_batches * t.micro_batches):
+    raise ConfigError(
+        f"config.train.prompts_per_step={t.prompts_per_step} must be divisible by train.mini_batches * "
+        f"train.micro_batches = {t.mini_batches * t.micro_batches} (batches are split by whole prompt groups).")
+  ids = s.stop_token_ids
+  if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                   for i in ids):
+    raise ConfigError(f"config.sampling.stop_token_ids={ids!r} must be a list of non-negative token ids.")
+  if s.temperature < 0:
+    raise ConfigError(f"config.sampling.temperature={s.temperature} must be >= 0 (0 means greedy).")
+  if not 0.0 < s.top_p <= 1.0:
+    raise ConfigError(f"config.sampling.top_p={s.top_p} must be in (0, 1].")
+  if o.learning_rate <= 0:
+    raise ConfigError(f"config.optim.learning_rate={o.learning_rate} must be > 0.")
+  if o.schedule not in SCHEDULES:
+    raise ConfigError(f"config.optim.schedule={o.schedule!r} is not one of {SCHEDULES}.")
+  if o.warmup_steps < 0 or (t.steps and o.warmup_steps > t.steps * t.mini_batches * t.epochs):
+    raise ConfigError(f"config.optim.warmup_steps={o.warmup_steps} must be between 0 and the number of "
+                      f"optimizer updates ({t.steps * t.mini_batches * t.epochs}).")
+  if o.max_grad_norm is not None and o.max_grad_norm <= 0:
+    raise ConfigError(f"config.optim.max_grad_norm={o.max_grad_norm} must be > 0 (or None to disable clipping).")
+  if c.model.dtype not in MODEL_DTYPES:
+    raise ConfigError(f"config.model.dtype={c.model.dtype!r} must be 'float32' or 'bfloat16'.")
+  if c.model.attention not in ATTENTION_IMPLS:
+    raise ConfigError(f"config.model.attention={c.model.attention!r} is not one of {ATTENTION_IMPLS}.")
+  lora_config(c)   # raises on a bad rank, alpha, dropout or target
+  if not t.dynamic_sampling and t.oversample is not None:
+    raise ConfigError(f"config.train.oversample={t.oversample} only applies with config.train.dynamic_sampling=True "
+                      "(it would be ignored): set train.dynamic_sampling=True or drop train.oversample.")
+  if dynamic_oversample(c) < 1:
+    raise ConfigError(f"config.train.oversample={t.oversample} must be >= 1.")
+  if len(c.mesh.shape) != 3:
+    raise ConfigError(f"config.mesh.shape={tuple(c.mesh.shape)} must have 3 entries (data, fsdp, tensor).")
+  _validate_group_size(c)
+  _validate_rollout(c)
+  _validate_tools(c)
+  if c.eval.samples < 1:
+    raise ConfigError(f"config.eval.samples={c.eval.samples} must be >= 1.")
+  _validate_eval_data(c)
+
+
+def _validate_group_size(c: ml_collections.ConfigDict) -> None:
+  """The loss's group statistics against G = sampling.num_samples, named as run-config fields."""
+  lc = loss_config(c)
+  try:
+    lc.validate(group_size=c.sampling.num_samples)
+  except ConfigError:
+    g = c.sampling.num_samples
+    if g >= 2:
+      raise
+    needs = [f"rl.std_scope={lc.std_scope!r}"] if lc.std_scope == "group" else []
+    needs += [f"rl.mean_scope={lc.mean_scope!r}"] if lc.mean_scope in ("group", "rloo") else []
+    raise ConfigError(
+        f"config.sampling.num_samples={g}: rl.preset={c.rl.preset!r} uses {' and '.join(needs)}, which compare "
+        "the completions of one prompt with each other, and a group of one has no spread (every advantage "
+        "would be 0). Set sampling.num_samples >= 2 (G completions per prompt), or use batch statistics: "
+        "rl.std_scope='batch' (or 'none') and rl.mean_scope='batch' (or 'none').") from None
+
+
+def _validate_eval_data(c: ml_collections.ConfigDict) -> None:
+  """Refuses an evaluation whose test split would read the training data (docs/data.md)."""
+  if not (c.eval.every or c.eval.before_and_after) or c.eval.allow_training_data:
+    return
+  overlaps = eval_reads_training_data(c.data.to_dict())
+  if overlaps:
+    raise ConfigError(
+        f"config.{overlaps[0]}: the held-out evaluation (eval.every, eval.before_and_after) reads its 'test' "
+        "split from the same place as training, so eval/accuracy and the best checkpoint would be measured on "
+        "training prompts. Give the source one path per split, e.g. path={'train': '/data/train.jsonl', "
+        "'test': '/data/test.jsonl'}; or turn evaluation off (eval.every=0, eval.before_and_after=False); or "
+        "set eval.allow_training_data=True to evaluate on training data on purpose.")
+
+
+def _validate_rollout(c: ml_collections.ConfigDict) -> None:
+  r = c.rollout
+  if r.mode not in ROLLOUT_MODES:
+    raise ConfigError(f"config.rollout.mode={r.mode!r} is not one of {ROLLOUT_MODES}.")
+  if not isinstance(r.max_staleness, int) or r.max_staleness < -1:
+    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness!r} must be an integer >= 0 "
+                      "(or -1 for the mode's default).")
+  if r.mode == "fused" and r.max_staleness not in (-1, 0):
+    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness} has no effect in rollout.mode='fused' "
+                      "(always on-policy): set rollout.mode='pipelined' or 'async', or leave max_staleness=-1.")
+  if r.proximal not in PROXIMAL:
+    raise ConfigError(f"config.rollout.proximal={r.proximal!r} is not one of {PROXIMAL}.")
+  if r.mode == "fused" and r.proximal != "recompute" and c.model.dtype == "float32":
+    raise ConfigError(f"config.rollout.proximal={r.proximal!r} has no effect in rollout.mode='fused' with "
+                      "model.dtype='float32' (lp_old is the sampler's there): set rollout.mode='pipelined' or "
+                      "'async', or leave it. (In bfloat16 the fused mode recomputes lp_old; 'sampler' turns that off.)")
+  if r.mode == "pipelined" and r.max_staleness > 1:
+    raise ConfigError(f"config.rollout.max_staleness={r.max_staleness}: the pipelined mode runs at most one "
+                      "step off-policy (0 or 1); use rollout.mode='async' for more.")
+  defaults = base_config().rollout
+  if r.mode != "partial":
+    for name in PARTIAL_ONLY:
+      if r[name] != defaults[name]:
+        raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode='partial' "
+                          f"(got {r.mode!r}): set rollout.mode='partial' or leave it at {defaults[name]}.")
+  else:
+    _positive(c, "rollout.oversample", r.oversample)
+    if r.oversample < 2:
+      raise ConfigError(f"config.rollout.oversample={r.oversample}: the partial mode generates more groups than it "
+                        "trains on (>= 2); with 1 use rollout.mode='pipelined'.")
+    if c.train.dynamic_sampling:
+      raise ConfigError("config.train.dynamic_sampling with rollout.mode='partial': both choose which groups to "
+                        "train on; use one of them.")
+    if c.sampling.ignore_eos:
+      raise ConfigError("config.sampling.ignore_eos with rollout.mode='partial': every completion would run to "
+                        "max_new_tokens, so there is nothing to carry over; set ignore_eos=False.")
+  if r.mode != "async":
+    for name in ASYNC_ONLY:
+      if r[name] != defaults[name]:
+        raise ConfigError(f"config.rollout.{name}={r[name]!r} only applies to rollout.mode='async' "
+                          f"(got {r.mode!r}): set rollout.mode='async' or leave it at {defaults[name]}.")
+    return
+  _positive(c, "rollout.sync_every", r.sync_every)
+  _positive(c, "rollout.queue_size", r.queue_size)
+  _positive(c, "rollout.generator_devices", r.generator_devices, allow_zero=True)
+  if r.sync_every > max_staleness(c) + 1:
+    raise ConfigError(
+        f"config.rollout.sync_every={r.sync_every} with max_staleness={max_staleness(c)} would stall: a "
+        "generator waits for parameters no older than max_staleness versions, which arrive every sync_every "
+        "updates. Set sync_every <= max_staleness + 1.")
+
+
+def _validate_tools(c: ml_collections.ConfigDict) -> None:
+  tl = c.tools
+  if not tl.enabled:
+    return
+  if tl.format not in TOOL_FORMATS:
+    raise ConfigError(f"config.tools.format={tl.format!r} is not one of {TOOL_FORMATS}.")
+  names = list(tl.names or [])
+  if not names or not all(isinstance(n, str) and n for n in names):
+    raise ConfigError(f"config.tools.names={tl.names!r}: list at least one tool (python, calculator, search, "
+                      "or 'pkg.module:function').")
+  if tl.format == "python" and names != ["python"]:
+    raise ConfigError(f"config.tools.format='python' runs ```python blocks in the interpreter; it takes "
+                      f"tools.names=['python'], got {names}. Use format='hermes' for named tools.")
+  for name in ("max_turns", "segment_tokens", "max_response_tokens", "max_memory_mb"):
+    _positive(c, f"tools.{name}", tl[name])
+  _positive(c, "tools.slots", tl.slots, allow_zero=True)
+  _positive(c, "tools.num_workers", tl.num_workers, allow_zero=True)
+  if not tl.timeout_s > 0:
+    raise ConfigError(f"config.tools.timeout_s={tl.timeout_s!r} must be > 0.")
+  if c.rollout.mode != "pipelined":
+    raise ConfigError(f"config.tools.enabled with rollout.mode={c.rollout.mode!r}: multi-turn rollouts alternate "
+                      "compiled decode segments with host tool calls, so they run as the pipelined mode's producer; "
+                      "set rollout.mode='pipelined' (with rollout.max_staleness=0 for on-policy updates).")
+  if c.sampling.ignore_eos:
+    raise ConfigError("config.tools.enabled with sampling.ignore_eos=True: a trajectory must be able to end; "
+                      "set sampling.ignore_eos=False.")
+
+
+def _validate_packing(c: ml_collections.ConfigDict) -> None:
+  t = c.train
+  if not isinstance(t.pack_tokens, int) or t.pack_tokens < 0:
+    raise ConfigError(f"config.train.pack_tokens={t.pack_tokens!r} must be an integer >= 0 (0 = no packing).")
+  if not t.pack_tokens:
+    return
+  width = c.data.max_prompt_tokens + c.sampling.max_new_tokens
+  if t.pack_tokens < width:
+    raise ConfigError(f"config.train.pack_tokens={t.pack_tokens} is smaller than one row (data.max_prompt_tokens + "
+                      f"sampling.max_new_tokens = {width}); set it to at least {width}, e.g. {4 * width}.")
+  if t.micro_batches != 1:
+    raise ConfigError(f"config.train.micro_batches={t.micro_batches} with train.pack_tokens: packing decides the "
+                      "micro-batches (blocks of pack_tokens real tokens); leave micro_batches=1.")
+  if loss_config(c).agg == "prompt-mean":
+    raise ConfigError("config.rl.agg='prompt-mean' with train.pack_tokens: a packed block may hold part of a "
+                      "group, and prompt-mean needs whole groups; set train.pack_tokens=0 or another rl.agg.")
