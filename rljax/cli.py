@@ -50,10 +50,17 @@ the run directory (config.output.dir) remembers its resolved config (config.json
     (--config.output.dir=runs/NEW) or start over with --overwrite;
   - a finished run (its checkpoint reached train.steps) says so; raise train.steps to extend it.
   Fields that may differ on resume: train.steps, output.*, eval.*, checkpoint cadence and
-  retention, mesh.*, model.remat, model.attention, worker counts, optim.max_consecutive_skips.
+  retention, mesh.*, model.remat, model.attention, worker counts, optim.max_consecutive_skips,
+  train.stop_signals.
+  - a run stopped after its last checkpoint (killed during its final evaluation or export)
+    completes what it had not done.
+  - one run per directory: a second start into a directory in use stops at once.
+
+stopping: Ctrl-C (SIGINT) or SIGTERM stops after the step in progress with a checkpoint and
+prints the command that resumes; a second one exits at once (config.train.stop_signals).
 
 examples:
-  rljax train                                           # the embedded default (about 9 min on 2 CPU cores)
+  rljax train                                           # the embedded default (README: Default run results)
   rljax train --config configs/smoke.py --config.train.steps=5
   rljax train --config configs/default.py --config.rl.preset=dr_grpo --dry-run
   rljax train --gin_file configs/default.gin --gin_bindings 'train.steps = 4'"""
@@ -77,22 +84,11 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def _preflight(cfg) -> None:
-  """The checks that need files but no weights: the model's context (from its config or GGUF
-  header) and the data sources (each must yield a valid example), before the model loads."""
-  from rljax import config as config_lib
-  if cfg.model.path != "random":
-    from rljax.errors import WeightsError
-    from rljax.models.io import resolve
-    try:
-      resolve(cfg.model.path)
-    except WeightsError as e:
-      raise ConfigError(f"config.model.path={cfg.model.path!r}: {e}") from None
-  config_lib.check_model_fits_early(cfg)
-  from rljax.data import build_dataset
-  data_cfg = cfg.data.to_dict()
-  build_dataset(data_cfg, split="train")
-  if cfg.eval.every or cfg.eval.before_and_after:
-    build_dataset(data_cfg, split="test")
+  """The checks that need files but no weights (rljax/config/preflight.py: model path, context,
+  tokenizer and chat template, data rows and prompt lengths), before the model loads."""
+  from rljax.config.preflight import check_files
+  for note in check_files(cfg):
+    print(f"note: {note}", flush=True)
 
 
 def _primary_process() -> bool:
@@ -266,6 +262,8 @@ def _print_summary(summary) -> None:
       print(f"{label:>22}: {summary[key]}")
   if summary.get("tensorboard_dir"):
     print(f"{'TensorBoard':>22}: tensorboard --logdir {summary['tensorboard_dir']}")
+  if summary.get("wandb_dir"):
+    print(f"{'Weights & Biases':>22}: {summary['wandb_dir']} (offline runs: wandb sync {summary['wandb_dir']}/offline-run-*)")
 
 
 def cmd_config(argv: Sequence[str]) -> int:

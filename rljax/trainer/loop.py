@@ -395,9 +395,9 @@ class Trainer:
         self._stop = None
 
   def _stop_signals(self):
-    from rljax.trainer.stopping import DEFAULT_SIGNALS, StopSignals
-    names = self.config.train.get("stop_signals", DEFAULT_SIGNALS)
-    return StopSignals(names, multi_process=jax.process_count() > 1, on_first=self._stop_message)
+    from rljax.trainer.stopping import StopSignals
+    return StopSignals(self.config.train.stop_signals, multi_process=jax.process_count() > 1,
+                       on_first=self._stop_message)
 
   def _stop_message(self, signum: int) -> str:
     import signal
@@ -423,7 +423,8 @@ class Trainer:
       rundir.write_config(c, self.out_dir)
     finishing = self.start_step >= c.train.steps
     writer = MetricsWriter(self.out_dir, tensorboard=c.output.tensorboard, writing=writing,
-                           start_step=self.start_step)
+                           start_step=self.start_step, wandb=c.output.wandb.to_dict(),
+                           config=json.loads(config_lib.to_json(c)))
     if finishing and writing:   # an earlier attempt may have logged the evaluation after training
       rundir.drop_eval_rows(writer.path, c.train.steps)
     summary: dict[str, Any] = {"output_dir": self.out_dir}
@@ -489,6 +490,8 @@ class Trainer:
     summary["metrics_file"] = writer.path
     if c.output.tensorboard:
       summary["tensorboard_dir"] = os.path.join(self.out_dir, "tb")
+    if c.output.wandb.project:
+      summary["wandb_dir"] = os.path.join(self.out_dir, "wandb")
     if writing:   # last of all: a run with summary.json has done everything (rundir.check_resume)
       rundir.write_summary(self.out_dir, c.train.steps, summary)
     return summary
@@ -498,8 +501,9 @@ class Trainer:
   def evaluate(self, tag: str) -> dict[str, Any]:
     from rljax.trainer.evaluate import evaluate_policy, prompts_per_batch
     c = self.config
-    # eval.batch_size completions at once; 0: as many as a training step samples.
-    rows = c.eval.get("batch_size", 0) or self.batch_rows * self.sp.num_samples
+    # eval.batch_size completions at once; 0: as many as a training step samples, at least 64 (on a CPU
+    # SmolLM2-135M decodes 64 rows at ~1/4 of 8 rows' cost per row).
+    rows = c.eval.batch_size or max(64, self.batch_rows * self.sp.num_samples)
     stop = getattr(self, "_stop", None)
     return evaluate_policy(
         self.model_config, self.state.model_params(), self.tokenizer, self.eval_data, self.scorer.pool,

@@ -18,14 +18,14 @@ Fields that may differ on resume (`RESUME_MAY_DIFFER`) change how a run is watch
 out on devices, not what it trains: train.steps (to extend a run; a cosine or linear learning
 rate schedule stretches to the new length), output.*, eval.*, the checkpoint cadence and
 retention, mesh.* (checkpoints restore onto any mesh), model.remat and model.attention (memory
-and kernels, same numbers), worker counts, and optim.max_consecutive_skips.
+and kernels, same numbers), worker counts, optim.max_consecutive_skips and train.stop_signals.
 
 Starting over (`checkpoint.resume=False`, or `rljax train --overwrite`) deletes the earlier run's
 outputs by name (`RUN_OUTPUTS`), never the directory itself, and only once the new run is built:
 `StartOver` first moves them aside into `.rljax-replaced/`, puts them back if the new start
-fails (or is killed: `recover_replaced` on the next start), and deletes them only then. Metrics of a resumed run are written
-once per step: `metrics_purge_step` and `purge_metrics` drop the rows the resumed run will write
-again.
+fails (or is killed: `recover_replaced` on the next start), and deletes them only then.
+Metrics of a resumed run are written once per step: `metrics_purge_step` and `purge_metrics`
+drop the rows the resumed run will write again.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"        # written last: a run with it has done everything
 REPLACED_DIR = ".rljax-replaced"     # an earlier run's outputs while a start over is being built
 # What a run writes into its directory (globs); starting over deletes exactly these.
-RUN_OUTPUTS = (CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, "tb", "hf", "peft", "eval_*.jsonl", SUMMARY_FILE)
+RUN_OUTPUTS = (CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, "tb", "hf", "peft", "eval_*.jsonl", SUMMARY_FILE, "wandb",
+               "wandb_run_id")
 
 # Dotted field names (or section prefixes) that may change between a run and its resumption.
 RESUME_MAY_DIFFER = (
@@ -62,6 +63,7 @@ RESUME_MAY_DIFFER = (
     "model.remat", "model.attention",
     "rewards.num_workers", "tools.num_workers",
     "optim.max_consecutive_skips",
+    "train.stop_signals",
 )
 
 _STEP_RE = re.compile(r"^(0|[1-9]\d*)$")
