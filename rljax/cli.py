@@ -155,7 +155,9 @@ def _dry_run(cfg) -> int:
     dry = copy.deepcopy(cfg)
     with dry.unlocked():
       dry.output.dir, dry.checkpoint.resume = tmp, False
-    trainer = Trainer(dry)
+    from rljax import progress
+    with progress.phase("loading the model and building the run (dry run)"):
+      trainer = Trainer(dry)
     try:
       mc = trainer.model_config
       size = f" ({mc.num_params / 1e6:.1f}M params)"
@@ -209,9 +211,11 @@ def cmd_train(argv: Sequence[str]) -> int:
     replaced = rundir.StartOver(out) if run.start_over and primary else None
     outputs = ", ".join(replaced.set_aside()) if replaced else ""
     print("loading the model and building the run ...", flush=True)
+    from rljax import progress
     from rljax.trainer.loop import Interrupted, Trainer
     try:
-      trainer = Trainer(cfg)
+      with progress.phase("loading the model and building the run"):
+        trainer = Trainer(cfg)
     except BaseException:
       if replaced:
         replaced.restore()
@@ -303,7 +307,9 @@ def cmd_plan(argv: Sequence[str]) -> int:
       raise RljaxError("`rljax plan` is not part of this installation (the module rljax.plan is missing); "
                        "install a version of rljax that has it.") from None
     raise
-  return int(plan.main(list(argv)) or 0)
+  from rljax import progress
+  with progress.phase("rljax plan: building and compiling the run's programs for the topology"):
+    return int(plan.main(list(argv)) or 0)
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
@@ -329,7 +335,10 @@ def cmd_generate(argv: Sequence[str]) -> int:
   import jax
   import numpy as np
   import rljax
-  policy = rljax.load_pretrained(args.model)
+  from rljax import progress
+  print(f"rljax generate: loading {args.model} ...", file=sys.stderr, flush=True)
+  with progress.phase(f"loading {args.model}"):
+    policy = rljax.load_pretrained(args.model)
   tok = policy.tokenizer
   texts = [p if args.no_chat_template else tok.apply_chat_template([{"role": "user", "content": p}],
                                                                       add_generation_prompt=True)
@@ -344,8 +353,11 @@ def cmd_generate(argv: Sequence[str]) -> int:
   sp = rljax.SamplingParams(num_samples=args.samples, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature or 1.0, greedy=args.temperature == 0,
                             stop_token_ids=tuple(tok.stop_ids))
-  out = rljax.generate(policy, prompt, sp, jax.random.key(args.seed), prompt_mask=mask)
-  tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+  print(f"rljax generate: compiling the sampler and generating {len(ids) * args.samples} completion(s) of up to "
+        f"{args.max_new_tokens} tokens ...", file=sys.stderr, flush=True)
+  with progress.phase("generating (the first call compiles the sampler)"):
+    out = rljax.generate(policy, prompt, sp, jax.random.key(args.seed), prompt_mask=mask)
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   for r in range(tokens.shape[0]):
     print(json.dumps({"prompt": args.prompt[r // args.samples],
                       "completion": tok.decode(tokens[r, :lengths[r]].tolist())}, ensure_ascii=False))
@@ -382,9 +394,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rljax.platforms import quiet_without_tpu
     quiet_without_tpu()
   _working_directory_importable()
+  from rljax.progress import Heartbeat
   from rljax.trainer.rundir import RunFinished
   try:
-    return COMMANDS[command](rest)
+    with Heartbeat(enabled=command != "config" and "--quiet" not in rest):
+      return COMMANDS[command](rest)
   except RunFinished as e:
     print(f"rljax {command}: {e}")
     return 0

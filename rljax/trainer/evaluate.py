@@ -67,7 +67,7 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
   progress bar counts the examples, and the result is printed when it ends (all on stderr), so a
   long evaluation is never a silent one.
   """
-  from rljax import compile_stats
+  from rljax import compile_stats, progress
   label = label or "eval"
   batch_prompts = max(1, min(batch_prompts, num_examples))
   bar = _Progress(label, num_examples, samples, enabled=progress)
@@ -93,7 +93,9 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
       mask = np.concatenate([mask, np.repeat(mask[-1:], batch_prompts - n, 0)])
     key, sub = jax.random.split(key)
     start = time.perf_counter()
-    out = jax.device_get(run(params, ids, mask, sub))
+    first = " (the first batch compiles the sampler)" if not per_example else ""
+    with progress.phase(f"{label}: generating {n * samples} completions{first}"):
+      out = jax.device_get(run(params, ids, mask, sub))
     seconds += time.perf_counter() - start
     rows = n * samples
     tokens, lengths = np.asarray(out.tokens)[:rows], np.asarray(out.lengths)[:rows]
@@ -151,7 +153,9 @@ class _Progress:
     from tqdm.auto import tqdm
     print(f"{label}: scoring {samples} completion{'s' if samples > 1 else ''} for each of up to {num_examples} "
           "held-out examples ...", file=sys.stderr, flush=True)
-    self._bar = tqdm(total=num_examples, desc=label, unit="example", file=sys.stderr, dynamic_ncols=True)
+    from rljax import progress
+    self._bar = progress.track(tqdm(total=num_examples, desc=label, unit="example", file=sys.stderr,
+                                    dynamic_ncols=True))
 
   def update(self, n: int) -> None:
     self.done += n
@@ -161,6 +165,8 @@ class _Progress:
   def close(self, metrics: dict[str, Any], out_path: str | None) -> None:
     if self._bar is None:
       return
+    from rljax import progress
+    progress.untrack(self._bar)
     self._bar.close()
     where = f" (per example: {out_path})" if out_path else ""
     print(f"{self.label}: {format_result(metrics)}{where}", file=sys.stderr, flush=True)
@@ -280,7 +286,9 @@ def eval_main(argv) -> int:
     raise ConfigError(str(e).replace("rewards.components[0] ('correct')", f"--verifier {verifier}")) from None
   if not args.quiet:
     print(f"rljax eval: loading {args.model} ...", file=sys.stderr, flush=True)
-  policy = rljax.load_pretrained(args.model)
+  from rljax import progress
+  with progress.phase(f"loading {args.model}"):
+    policy = rljax.load_pretrained(args.model)
   tok = policy.tokenizer
   temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
   sp = SamplingParams(num_samples=args.samples, max_new_tokens=args.max_new_tokens,

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import shutil
+import sys
 import warnings
 from typing import Sequence
 
@@ -207,7 +208,10 @@ def export_main(argv: Sequence[str] | None = None) -> int:
                       help="LoRA runs: merged (adapters folded into the base, a plain HF model) or peft (the "
                            "adapters alone: adapter_config.json + adapter_model.safetensors)")
   args = parser.parse_args(argv)
-  out = export_checkpoint(args.checkpoint, args.out, step=args.step, dtype=args.dtype, fmt=args.format,
-                          overwrite=args.overwrite)
+  from rljax import progress
+  print(f"rljax export: {args.checkpoint} -> {args.out} ({args.format}, {args.dtype}) ...", file=sys.stderr, flush=True)
+  with progress.phase(f"exporting {args.checkpoint} to {args.out}"):
+    out = export_checkpoint(args.checkpoint, args.out, step=args.step, dtype=args.dtype, fmt=args.format,
+                            overwrite=args.overwrite)
   print(out)
   return 0

@@ -416,6 +416,7 @@ class Trainer:
                        f"{'resume' if step else 'start'}.", signum=stop.signum, step=step)
 
   def _run(self, stop, writing: bool) -> dict[str, Any]:
+    from rljax import progress
     from rljax.trainer import rundir
     from rljax.trainer.stopping import StopRequested
     c = self.config
@@ -443,8 +444,12 @@ class Trainer:
       for hook in self.hooks:
         hook.start(self, writer)
       for step in range(self.start_step, c.train.steps):
+        what = f"step {step + 1} of {c.train.steps}"
+        if step == self.start_step:
+          what += ": the first step compiles its programs"
         try:
-          m = self.run_step()
+          with progress.phase(what):
+            m = self.run_step()
         except DataExhausted:
           self.save(force=True)   # keep everything trained so far, then stop
           raise
@@ -474,13 +479,15 @@ class Trainer:
           raise self._interrupted(stop, c.train.steps, "during the evaluation after training") from None
         writer.write(c.train.steps, {f"eval/{k}": v for k, v in summary["eval_after"].items()
                                      if isinstance(v, float)})
-      self.save(summary.get("eval_after"), force=True)
-      self.ckpt.wait()
+      with progress.phase("saving the final checkpoint"):
+        self.save(summary.get("eval_after"), force=True)
+        self.ckpt.wait()
       summary["checkpoint_dir"] = self.ckpt.directory
       if stop.requested:
         raise self._interrupted(stop, c.train.steps, "before the export")
       if c.output.export_hf and writing:
-        summary["hf_dir"] = self.export()
+        with progress.phase(f"exporting to {os.path.join(self.out_dir, 'hf')}"):
+          summary["hf_dir"] = self.export()
     finally:
       self.close()
       writer.close()
