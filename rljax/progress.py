@@ -9,7 +9,8 @@ longer than `quiet_s` seconds, it prints one line every `every_s` seconds on std
 progress bar: "rljax: compiling jit(step) (inside: step 1 of 24): 42 s so far". Compilations are
 seen through JAX's own compile log (`jax_log_compiles`, whose lines it consumes instead of
 printing them), so the line names the program being compiled. Progress bars registered with
-`track` are redrawn on every tick, so their elapsed time keeps moving during a long step.
+`track` are redrawn on every tick when they draw on a terminal, so their elapsed time keeps
+moving during a long step.
 Without an active Heartbeat, `phase` and `track` do nothing.
 """
 from __future__ import annotations
@@ -134,10 +135,11 @@ class Heartbeat:
       if state is not None and now - state[1] >= self.quiet_s and now - self._last_line >= self.every_s:
         self._last_line = now
         self._say(f"rljax: {state[0]}: {now - state[1]:.0f} s so far")
-      for bar in list(self._bars):
+      for bar in list(self._bars):   # on a terminal only: in a log file every redraw would be a line
         try:
-          bar.refresh()
-        except Exception:   # noqa: BLE001 - a bar closed between the copy and the call
+          if bar.fp.isatty():
+            bar.refresh()
+        except Exception:   # noqa: BLE001 - a bar closed between the copy and the call, or no isatty
           pass
 
   def _say(self, line: str) -> None:

@@ -60,3 +60,22 @@ def test_a_few_malformed_rows_are_a_note_and_the_run_builds(tmp_path, capsys):
   rc, out, err, _ = train(capsys, tmp_path, jsonl_source(rows))
   assert rc == 0, err
   assert "note: data.sources[0] (jsonl" in out and "1 of 3 rows malformed" in out and "config OK" in out
+
+
+def test_a_verifier_module_in_the_working_directory_imports_from_the_console_script(tmp_path):
+  """Item 10: the `rljax` console script's sys.path starts at its bin directory, not the working
+  directory; rljax adds the working directory, as `python -m` does."""
+  import subprocess
+  import sys
+  (tmp_path / "my_verifiers.py").write_text("def score(completion, example):\n  return 1.0\n")
+  console = ("import os, sys\n"
+             "sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]   # as the console script has it\n"
+             "from rljax.cli import main\n"
+             "sys.argv[0] = 'rljax'\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+  component = '[{"name": "mine", "verifier": "my_verifiers:score", "weight": 1.0}]'
+  root = os.path.dirname(os.path.dirname(cli.__file__))
+  proc = subprocess.run([sys.executable, "-c", console, "config", "show", "--config", SMOKE,
+                         f"--config.rewards.components={component}"], cwd=tmp_path, capture_output=True, text=True,
+                        env={**os.environ, "PYTHONPATH": root}, timeout=120)
+  assert proc.returncode == 0 and proc.stdout.rstrip().endswith("# validation: OK"), proc.stdout[-2000:] + proc.stderr

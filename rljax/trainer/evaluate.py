@@ -31,8 +31,10 @@ def _sample_fn(config, sp):
   """The jitted sampler of one model config and SamplingParams, kept: the trainer's evaluations
   (before, every eval.every steps, after) reuse its compiled programs instead of compiling anew."""
   from rljax.sampling import sample
-  return jax.jit(lambda params, ids, mask, key: sample(config, params, ids, mask, sp, key,
-                                                        eos_ids=tuple(sp.stop_token_ids)))
+
+  def eval_sample(params, ids, mask, key):
+    return sample(config, params, ids, mask, sp, key, eos_ids=tuple(sp.stop_token_ids))
+  return jax.jit(eval_sample)
 
 
 def prompts_per_batch(batch_rows: int, samples: int, num_examples: int) -> int:
@@ -93,8 +95,7 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
       mask = np.concatenate([mask, np.repeat(mask[-1:], batch_prompts - n, 0)])
     key, sub = jax.random.split(key)
     start = time.perf_counter()
-    first = " (the first batch compiles the sampler)" if not per_example else ""
-    with progress.phase(f"{label}: generating {n * samples} completions{first}"):
+    with progress.phase(f"{label}: generating {n * samples} completions"):
       out = jax.device_get(run(params, ids, mask, sub))
     seconds += time.perf_counter() - start
     rows = n * samples
