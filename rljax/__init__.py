@@ -14,8 +14,8 @@ _EXPORTS = {
     "load_pretrained": "rljax.models.io",
     "save_pretrained": "rljax.models.io",
     "load_tokenizer": "rljax.tokenizer",
-    "generate": "rljax.sampling",
-    "SamplingParams": "rljax.sampling",
+    "generate": "rljax.rollout",
+    "SamplingParams": "rljax.rollout",
 }
 
 

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import rljax  # noqa: E402
 from benchlib import Result, add_json_arg, report  # noqa: E402
 from rljax.flops import matmul_peak as measured_matmul_peak  # noqa: E402
-from rljax.sampling import SamplingParams, generate  # noqa: E402
+from rljax.rollout import SamplingParams, generate  # noqa: E402
 
 QUESTIONS = [
     "What is 17 + 25? Answer with just the number.",

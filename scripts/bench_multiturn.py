@@ -6,8 +6,9 @@
 Both runs make the same trajectories (same key, same scripted tool calls; the script forces each
 row to open every model turn with a calculator call until it has made `--turns` of them, then the
 model writes freely until EOS or the token budget). "cache" feeds each round only the pending
-token and the tool response into the existing cache (rljax/multiturn.py); "reprefill" rebuilds
-every row's cache from its whole history each round, the way a generate() call per turn would.
+token and the tool response into the existing cache (rljax/rollout/tools.py); "reprefill" rebuilds
+every row's cache from its whole history each round, the way a generate() call per turn would
+(tests/tools_testlib.py: PrefillingToolRollout; ScriptedDraw forces the scripted calls).
 Each mode runs twice and the second run is timed (the first compiles). The script checks that
 both produced identical tokens.
 """
@@ -19,6 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))   # tools_testlib
 
 from benchlib import Result, add_json_arg, machine, report  # noqa: E402
 
@@ -38,9 +40,10 @@ def main():
   import jax
   import numpy as np
 
+  from tools_testlib import scripted_tool_rollout
+
   from rljax.models.io import load_pretrained
-  from rljax.multiturn import ToolRollout, TurnParams
-  from rljax.sampling import SamplingParams
+  from rljax.rollout import SamplingParams
   from rljax.tools import ToolRunner
 
   policy = load_pretrained(args.model)
@@ -53,24 +56,25 @@ def main():
     ids[r, width - len(p):], mask[r, width - len(p):] = p, True
   calls = [tok.encode(f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{r + 2} * {t + 3}"}}}}'
                       '</tool_call>') for r in range(len(prompts)) for t in range(args.turns)]
-  script = lambda row, turn: calls[row * args.turns + turn] if turn < args.turns else None
+  script = {(row, turn): calls[row * args.turns + turn] for row in range(len(prompts)) for turn in range(args.turns)}
   sp = SamplingParams(num_samples=1, max_new_tokens=args.new_tokens, temperature=1.0,
                       stop_token_ids=tuple(tok.stop_ids))
-  tp = TurnParams(max_turns=args.turns, segment_tokens=args.segment, forced_width=max(map(len, calls)))
-  out, seconds = {}, {}
+  out, seconds, metrics = {}, {}, {}
   with ToolRunner(["calculator"], num_workers=2) as runner:
     for resume in ("cache", "reprefill"):
-      engine = ToolRollout(policy.config, tok, runner, sp, tp, fmt="hermes", eos_ids=sp.stop_token_ids,
-                           resume=resume)
-      engine.run(policy.params, ids, mask, jax.random.key(0), script=script)      # compiles
+      engine = scripted_tool_rollout(policy.config, tok, runner, sp, script, fmt="hermes", prefill=resume == "reprefill",
+                                     max_turns=args.turns, segment_tokens=args.segment)
+      engine.run(policy.params, ids, mask, jax.random.key(0))      # compiles
       start = time.perf_counter()
-      out[resume] = engine.run(policy.params, ids, mask, jax.random.key(0), script=script)
+      _, info = engine.run(policy.params, ids, mask, jax.random.key(0))
       seconds[resume] = time.perf_counter() - start
+      out[resume], metrics[resume] = info.trajectories, info.metrics
   a, b = out["cache"], out["reprefill"]
   same = bool(np.array_equal(a.tokens, b.tokens) and np.array_equal(a.lengths, b.lengths))
   tokens = int(a.lengths.sum())
   print(f"{len(prompts)} trajectories, {a.turns.mean():.1f} tool calls each, {tokens} trajectory tokens "
-        f"({a.metrics['tools/tool_token_fraction']:.0%} tool tokens), {int(a.metrics['tools/feeds'])} feed rounds; "
+        f"({metrics['cache']['tools/tool_token_fraction']:.0%} tool tokens), {int(metrics['cache']['tools/feeds'])} "
+        "feed rounds; "
         f"identical tokens: {same}")
   print(machine())
   report([Result("multi-turn rollout, cache resume vs re-prefill (tokens/s)",

@@ -3,6 +3,12 @@ per item against calling the verifier inline.
 
     python scripts/bench_rewards.py                  # 1,000 math items, 200 code items, 2 workers
     python scripts/bench_rewards.py --math 200 --code 50 --workers 4
+    python scripts/bench_rewards.py --overhead-only  # the pool's per-item overhead, and a fork per item
+
+The per-item overhead is the pool's time minus calling the verifier inline: with `noop` it is
+all overhead (scheduling, the request and reply, the worker's per-item sweep and process-state
+check). "fork per item" times the other way to isolate items, a fresh fork of a process that
+holds the verifier for every item (rljax checks and recycles workers instead: docs/rewards.md).
 
 Completions are all distinct (the math verifier caches parses per worker, so repeating one
 string would flatter it). Code items run 3 stdin/stdout tests each in the sandbox.
@@ -70,11 +76,19 @@ def main(argv=None) -> int:
   parser.add_argument("--code", type=int, default=200, help="code items (3 tests each)")
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--overhead-items", type=int, default=2000)
+  parser.add_argument("--overhead-only", action="store_true", help="skip the math and code throughput")
   add_json_arg(parser)
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
   print(f"machine: {os.cpu_count()} CPUs; workers: {args.workers}")
 
+  results = [] if args.overhead_only else throughput(args)
+  results += overhead(args)
+  report(results, args.json)
+  return 0
+
+
+def throughput(args) -> list[Result]:
   comps, exs = math_items(args.math)
   with RewardPool(spec("math", args.workers)) as pool:
     pool.score(*math_items(4))  # first-call costs (sympy caches in fresh workers) outside the timing
@@ -95,7 +109,11 @@ def main(argv=None) -> int:
   results.append(Result(f"reward pool, {args.code} `code` items (3 sandboxed tests each): rewards/s", f"{args.code / t:.1f}"))
   print(f"code  {args.code:5d} items, {args.workers} workers: {t:7.2f} s  {args.code / t:8.1f} rewards/s "
         f"(3 sandboxed runs per item; accuracy {m['reward/accuracy']:.2f}, failures {m['verifier/failures']:.0f})")
+  return results
 
+
+def overhead(args) -> list[Result]:
+  results = []
   # Overhead per item: the same items inline and through the pool. With `noop` (a verifier
   # that does nothing) the pool's time is all overhead: scheduling, pickling, IPC.
   n = args.overhead_items
@@ -113,8 +131,33 @@ def main(argv=None) -> int:
           f"{us(times[args.workers]):6.1f} us/item")
     results.append(Result(f"reward pool overhead per item, `{name}` verifier, 1 worker",
                           f"+{us(times[1]) - us(times[0]):.0f} us over inline"))
-  report(results, args.json)
-  return 0
+    forked = fork_per_item(verifier, comps[:200], exs[:200])
+    print(f"  a fresh fork per item instead ({name}): {forked:8.1f} us/item (+{forked - us(times[0]):.1f} over inline)")
+    results.append(Result(f"isolating items by a fork per item instead, `{name}` verifier",
+                          f"+{forked - us(times[0]):.0f} us over inline"))
+  return results
+
+
+def fork_per_item(verifier: str, comps: list[str], exs: list[dict]) -> float:
+  """us per item when every item runs in a fresh fork of this process (the verifier imported)."""
+  from rljax.rewards import get_verifier
+  fn = get_verifier(verifier).fn
+  fn(comps[0], exs[0])
+  start = time.perf_counter()
+  for c, e in zip(comps, exs):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+      try:
+        os.close(r)
+        os.write(w, repr(fn(c, e)).encode())
+      finally:
+        os._exit(0)
+    os.close(w)
+    os.read(r, 4096)
+    os.close(r)
+    os.waitpid(pid, 0)
+  return 1e6 * (time.perf_counter() - start) / len(comps)
 
 
 def noop(completion: str, example) -> float:

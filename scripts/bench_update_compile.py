@@ -23,7 +23,7 @@ def build(mini_batches: int, layers: int, prompts: int, group: int, width: int, 
   from rljax.models.policy import init_params
   from rljax.rl import LossConfig
   from rljax.rollout import Rollout
-  from rljax.sampling import SamplingParams
+  from rljax.rollout import SamplingParams
   from rljax.trainer.optim import make_optimizer
   from rljax.trainer.state import TrainState
   from rljax.trainer.step import StepSpec, make_update_fn

@@ -427,3 +427,37 @@ def test_async_save_survives_donated_buffers(tmp_path):
     ck.wait()
     restored, _ = ck.restore(abstract_state=abstract(values))
   assert_bitwise(restored, values)
+
+
+def _truncate_files(directory, keep=0.5):
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      os.truncate(path, int(os.path.getsize(path) * keep))
+
+
+def test_unreadable_latest_falls_back_to_the_previous_complete_one(tmp_path, caplog):
+  # Step 6's arrays and step 4's extras are truncated after they were saved: resuming restores
+  # step 2 (bitwise), says which steps it skipped and why, and sets them aside so that the next
+  # saves work. An explicit step is never replaced by another.
+  states = {s: make_state(seed=s, step=s) for s in (2, 4, 6)}
+  with Checkpointer(tmp_path / "ck", keep_last=5, async_save=False) as ck:
+    for s, state in states.items():
+      ck.save(s, state, extras={"data": {"step": s}})
+  _truncate_files(tmp_path / "ck" / "6" / "state" / "ocdbt.process_0" / "d")
+  _truncate_files(tmp_path / "ck" / "4" / "extras", keep=0.3)
+  with Checkpointer(tmp_path / "ck", keep_last=5, async_save=False) as ck:
+    with pytest.raises(CheckpointError, match="could not read the arrays of .*/6"):
+      ck.restore(6, abstract_state=abstract(states[6]))
+    assert ck.restore_extras() == {"data": {"step": 6}}  # its extras are intact (only its arrays are not)
+    with caplog.at_level("WARNING", logger="rljax.trainer.checkpoint"):
+      restored, extras = ck.restore(abstract_state=abstract(states[6]))
+    assert_bitwise(restored, states[2])
+    assert extras == {"data": {"step": 2}}
+    text = caplog.text
+    assert "step 6" in text and "could not read the arrays" in text and "step 4" in text and "extras" in text
+    assert "resuming from checkpoint step 2" in text and "skipped: 6, 4" in text
+    assert ck.all_steps() == [2] and os.path.isdir(tmp_path / "ck" / "6.rljax-unreadable")
+    assert ck.save(3, states[4].replace(step=jnp.asarray(3, jnp.int32)))
+  with Checkpointer(tmp_path / "ck", read_only=True) as ck:
+    assert ck.all_steps() == [2, 3]

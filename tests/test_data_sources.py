@@ -284,3 +284,46 @@ def test_eval_reads_training_data_finds_one_path_for_every_split():
   assert eval_reads_training_data({"sources": [{"kind": "tfds", "name": "gsm8k", "verifier": "gsm8k",
                                                 "split": "train"}]}) == [
       "data.sources[0].split='train' (the same tfds split for training and evaluation)"]
+
+
+def test_overlong_jsonl_line_is_a_malformed_row_read_in_bounded_memory(tmp_path):
+  # A 4 MB line (with a 64 KB bound) is skipped while the file is indexed, never held in memory,
+  # and counted as a malformed row with its position; the rows around it are read.
+  import tracemalloc
+  path = tmp_path / "big.jsonl"
+  with open(path, "w") as f:
+    f.write(json.dumps({"prompt": "first", "answer": "1"}) + "\n")
+    f.write('{"prompt": "' + "x" * (4 << 20) + '", "answer": "2"}\n')
+    f.write(json.dumps({"prompt": "last", "answer": "3"}) + "\n")
+  cfg = {"sources": [{"kind": "jsonl", "path": str(path), "verifier": "math"}], "max_line_bytes": 65536, "shuffle": False,
+         "num_epochs": 1}
+  _examples(build_dataset(cfg))  # imports and caches outside the measurement
+  tracemalloc.start()
+  try:
+    items = _examples(build_dataset(cfg))
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 1 << 20, peak  # the 4 MB line was never held in memory
+  assert [e["prompt"] for e in items if not isinstance(e, Malformed)] == ["first", "last"]
+  (bad,) = [e for e in items if isinstance(e, Malformed)]
+  assert bad.where.endswith("big.jsonl line 2") and "more than data.max_line_bytes=65536" in bad.reason
+  with pytest.raises(DataError, match="line 2.*max_line_bytes"):
+    _examples(build_dataset({**cfg, "on_malformed": "raise"}))
+  with pytest.raises(ConfigError, match="data.max_line_bytes"):
+    build_dataset({**cfg, "max_line_bytes": 10})
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_utf16_jsonl_is_refused_naming_the_encoding(tmp_path, encoding):
+  # UTF-16/32 JSONL (with a byte-order mark or not) is refused, not read "by accident" minus a row.
+  rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(3)]
+  path = tmp_path / "wide.jsonl"
+  path.write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode(encoding))
+  with pytest.raises(DataError, match=r"wide.jsonl' is UTF-(16|32)-[LB]E.*must be UTF-8.*iconv"):
+    build_dataset({"sources": [{"kind": "jsonl", "path": str(path), "verifier": "math"}], "shuffle": False, "num_epochs": 1})
+  # UTF-8 with a byte-order mark is read, every row.
+  path.write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode("utf-8-sig"))
+  got = _examples(build_dataset({"sources": [{"kind": "jsonl", "path": str(path), "verifier": "math"}], "shuffle": False,
+                                 "num_epochs": 1}))
+  assert [e["prompt"] for e in got] == ["q0", "q1", "q2"]

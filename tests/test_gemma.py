@@ -22,7 +22,7 @@ from rljax.models.config import ModelConfig
 from rljax.models.convert import hf_to_params
 from rljax.rl import LossConfig
 from rljax.rl.logprobs import chunked_logprobs, naive_logprobs
-from rljax.sampling import SamplingParams, sample
+from rljax.rollout import SamplingParams, sample
 from rljax.trainer.step import StepSpec, sequence_logprobs
 
 FAMILIES = ("gemma2", "gemma3")
@@ -318,7 +318,7 @@ def test_random_gemma_models_have_the_family_switches(family):
 def test_multi_turn_tool_rollout_on_gemma():
   """The tool engine on a Gemma model: feeding tool responses into the cache equals re-prefilling
   the history, and the sampler's log-probs equal the learner's (sliding windows across turns)."""
-  from rljax.multiturn import ToolRollout, TurnParams
+  from tools_testlib import scripted_tool_rollout
   from rljax.tools import ToolRunner
   policy = _random_policy("gemma2")
   tok = policy.tokenizer
@@ -330,16 +330,14 @@ def test_multi_turn_tool_rollout_on_gemma():
     ids[i, width - len(r):], mask[i, width - len(r):] = r, True
   call = lambda e: tok.encode(f'Let me check. <tool_call>{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}'
                               "</tool_call>")
-  calls = {0: call("2+3"), 3: call("10/4")}
-  script = lambda row, turn: calls.get(row) if turn == 0 else None
+  script = {(0, 0): call("2+3"), (3, 0): call("10/4")}
   sp = SamplingParams(num_samples=2, max_new_tokens=96, temperature=1.0, stop_token_ids=tuple(tok.stop_ids))
   out = {}
   with ToolRunner(["calculator"], timeout_s=3.0, num_workers=1) as runner:
-    for resume in ("cache", "reprefill"):
-      engine = ToolRollout(policy.config, tok, runner, sp, TurnParams(segment_tokens=8, forced_width=64),
-                           fmt="hermes", eos_ids=sp.stop_token_ids, resume=resume)
-      out[resume] = engine.run(policy.params, ids, mask, jax.random.key(7), script=script)
-  a, b = out["cache"], out["reprefill"]
+    for prefill in (False, True):   # resumed from the cache; the whole history prefilled again each round
+      engine = scripted_tool_rollout(policy.config, tok, runner, sp, script, prefill=prefill, segment_tokens=8)
+      out[prefill] = engine.run(policy.params, ids, mask, jax.random.key(7))[1].trajectories
+  a, b = out[False], out[True]
   assert a.turns.tolist() == [1, 0, 0, 1]
   np.testing.assert_array_equal(a.tokens, b.tokens)
   assert np.abs(a.logprobs - b.logprobs).max() <= 1e-5

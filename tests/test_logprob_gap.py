@@ -8,7 +8,7 @@ from rljax.config import base_config, loss_config, recompute_old_logprobs
 from rljax.models.config import ModelConfig
 from rljax.models.policy import init_params
 from rljax.rl import LossConfig
-from rljax.sampling import SamplingParams
+from rljax.rollout import SamplingParams
 from rljax.trainer.optim import make_optimizer
 from rljax.trainer.state import TrainState
 from rljax.trainer.step import StepSpec, make_generate_fn, make_update_fn

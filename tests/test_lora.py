@@ -65,7 +65,7 @@ def test_merged_kernels_equal_the_adapted_model():
 def test_sampler_equals_learner_logprobs_with_adapters_fp32():
   """The sampler's cached decode and the learner's teacher-forced forward run the same adapted
   model: their log-probs agree to float32 rounding (1e-5)."""
-  from rljax.sampling import SamplingParams, sample
+  from rljax.rollout import SamplingParams, sample
   from rljax.trainer.step import StepSpec, sequence_logprobs
   from rljax.rl import LossConfig
   c = tiny()

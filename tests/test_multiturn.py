@@ -1,5 +1,6 @@
-"""Multi-turn tool use (rljax/multiturn.py): scripted tool calls on a tiny random model with the
-SmolLM2 tokenizer, real tools in the real tool pool."""
+"""Multi-turn tool use (rljax/rollout/tools.py over rljax/rollout/segments.py): scripted tool calls
+(tests/tools_testlib.py) on a tiny random model with the SmolLM2 tokenizer, real tools in the real
+tool pool."""
 import dataclasses
 import json
 
@@ -8,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tools_testlib import ScriptedDraw, scripted_tool_rollout
+
 from rljax.config import base_config
-from rljax.multiturn import ToolRollout, TurnParams, marker_variants, response_template
-from rljax.sampling import SamplingParams, sample
+from rljax.rollout import SamplingParams, sample
+from rljax.rollout.tools import ToolProducer, ToolRollout, TurnParams, marker_variants, response_template
 from rljax.tools import ToolRunner
 from rljax.trainer.loop import load_policy
 from rljax.trainer.step import StepSpec, sequence_logprobs
@@ -42,11 +45,17 @@ def _prompts(tok, texts):
   return out, mask
 
 
-def _engine(policy, runner, *, g=2, t=96, fmt="hermes", resume="cache", forced_width=64, **turn):
+def _engine(policy, runner, script=None, *, g=2, t=96, fmt="hermes", prefill=False, **turn):
+  """A tool rollout whose rows open turns with script[(row, turn)] (tools_testlib.ScriptedDraw)."""
   sp = SamplingParams(num_samples=g, max_new_tokens=t, temperature=1.0, stop_token_ids=tuple(policy.tokenizer.stop_ids))
-  tp = TurnParams(segment_tokens=turn.pop("segment_tokens", 8), forced_width=forced_width, **turn)
-  return ToolRollout(policy.config, policy.tokenizer, runner, sp, tp, fmt=fmt, eos_ids=sp.stop_token_ids,
-                     resume=resume)
+  return scripted_tool_rollout(policy.config, policy.tokenizer, runner, sp, script or {}, fmt=fmt, prefill=prefill,
+                               segment_tokens=turn.pop("segment_tokens", 8), **turn)
+
+
+def _run(engine, policy, ids, mask, seed):
+  """(rollout, trajectories, metrics) of one multi-turn rollout."""
+  rollout, info = engine.run(policy.params, ids, mask, jax.random.key(seed))
+  return rollout, info.trajectories, info.metrics
 
 
 def _call(tok, body):
@@ -76,11 +85,10 @@ def test_markers_and_template(policy):
 def test_scripted_call_masks_resume_and_logprob_parity(policy, runner):
   """Row 0 calls the calculator, row 1 never calls: masks, response tokens and learner parity."""
   tok = policy.tokenizer
-  engine = _engine(policy, runner, g=1)
   ids, mask = _prompts(tok, ["What is 6*7?", "Say hi."])
   call = _call(tok, '{"name": "calculator", "arguments": {"expression": "6*7"}}')
-  script = lambda row, turn: call if (row, turn) == (0, 0) else None
-  traj = engine.run(policy.params, ids, mask, jax.random.key(3), script=script)
+  engine = _engine(policy, runner, {(0, 0): call}, g=1)
+  _, traj, metrics = _run(engine, policy, ids, mask, 3)
 
   assert traj.turns.tolist() == [1, 0] and traj.tool_errors.tolist() == [0, 0]
   n0 = int(traj.lengths[0])
@@ -97,21 +105,18 @@ def test_scripted_call_masks_resume_and_logprob_parity(policy, runner):
   lp = _learner_logprobs(policy, engine, jnp.asarray(ids), jnp.asarray(mask), traj)
   diff = np.abs(np.where(traj.model_mask, lp - traj.logprobs, 0.0)).max()
   assert diff <= PARITY_TOL, diff
-  assert traj.metrics["tools/calls"] == 1.0 and traj.metrics["tools/tool_token_fraction"] > 0
+  assert metrics["tools/calls"] == 1.0 and metrics["tools/tool_token_fraction"] > 0
 
 
 def test_cache_resume_equals_reprefill(policy, runner):
-  """Feeding only the new tokens into the cache gives what prefilling the whole history gives."""
+  """Feeding only the new tokens into the cache gives what prefilling the whole history gives
+  (tools_testlib.PrefillingToolRollout, the baseline)."""
   tok = policy.tokenizer
   ids, mask = _prompts(tok, ["Compute 2+3.", "Compute 10/4."])
-  calls = {0: _call(tok, '{"name": "calculator", "arguments": {"expression": "2+3"}}'),
-           3: _call(tok, '{"name": "calculator", "arguments": {"expression": "10/4"}}')}
-  script = lambda row, turn: calls.get(row) if turn == 0 else None
-  out = {}
-  for resume in ("cache", "reprefill"):
-    engine = _engine(policy, runner, g=2, resume=resume)
-    out[resume] = engine.run(policy.params, ids, mask, jax.random.key(7), script=script)
-  a, b = out["cache"], out["reprefill"]
+  script = {(0, 0): _call(tok, '{"name": "calculator", "arguments": {"expression": "2+3"}}'),
+            (3, 0): _call(tok, '{"name": "calculator", "arguments": {"expression": "10/4"}}')}
+  a, b = (_run(_engine(policy, runner, script, g=2, prefill=prefill), policy, ids, mask, 7)[1]
+          for prefill in (False, True))
   assert a.turns.tolist() == [1, 0, 0, 1]
   np.testing.assert_array_equal(a.lengths, b.lengths)
   np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -125,8 +130,8 @@ def test_rows_without_tools_match_the_single_turn_sampler(policy, runner):
   tok = policy.tokenizer
   ids, mask = _prompts(tok, ["Compute 2+3.", "Tell me a story."])
   call = _call(tok, '{"name": "calculator", "arguments": {"expression": "2+3"}}')
-  engine = _engine(policy, runner, g=2)
-  traj = engine.run(policy.params, ids, mask, jax.random.key(11), script=lambda r, t: call if (r, t) == (0, 0) else None)
+  engine = _engine(policy, runner, {(0, 0): call}, g=2)
+  _, traj, _ = _run(engine, policy, ids, mask, 11)
   ref = sample(policy.config, policy.params, jnp.asarray(ids), jnp.asarray(mask),
                dataclasses.replace(engine.sp), jax.random.key(11), eos_ids=engine.stop_ids)
   assert traj.turns.tolist() == [1, 0, 0, 0]
@@ -143,7 +148,7 @@ def test_sampler_and_engine_make_the_same_choice(policy):
   fold_in(rng, count)) build the same DecodeState, bit for bit: tokens, masks, log-probs,
   entropies, stops (the engine also marks full rows done; the sampler's loop just ends). Rows
   start done or stop mid-way; the vocabulary is wider than two draw blocks."""
-  from rljax import decode, multiturn
+  from rljax.rollout import decode, segments
   b, t, v = 6, 7, 1000
   sp = SamplingParams(num_samples=1, max_new_tokens=t, temperature=0.9, top_p=0.95)
   stop_ids = (11, 12)
@@ -153,9 +158,9 @@ def test_sampler_and_engine_make_the_same_choice(policy):
   pad = decode.pad_token_id(policy.config)
   done = jnp.asarray([False, False, True, False, False, False])
   single = decode.DecodeState.empty(b, t, pad, done=done)
-  tp = TurnParams(end_ids=((v + 1,),))                                  # never pauses
-  turns = multiturn.new_state(policy.config, sp, tp, b).replace(done=done)
-  choose_turn = jax.jit(lambda s, x: multiturn._choose(policy.config, sp, tp, stop_ids, s, x, ~s.done, rng))
+  seg = segments.SegmentParams(end_ids=((v + 1,),))                    # never pauses
+  turns = segments.SegmentState.init(policy.config, b, t).replace(done=done)
+  choose_turn = jax.jit(lambda s, x: segments.choose_next(policy.config, sp, seg, stop_ids, s, x, ~s.done, rng))
   choose_col = jax.jit(lambda s, x, k: decode.choose(s, x, k, sp, jax.random.fold_in(rng, k), stop_ids, pad)[0])
   for k in range(t):
     single = choose_col(single, logits[k], k)
@@ -168,7 +173,7 @@ def test_sampler_and_engine_make_the_same_choice(policy):
   np.testing.assert_array_equal(np.asarray(single.done), stopped | np.asarray(done))
   np.testing.assert_array_equal(np.asarray(turns.done), np.asarray(single.done) | (lengths == t))
   np.testing.assert_array_equal(np.asarray(turns.n), lengths)
-  assert not np.asarray(turns.tool_mask).any() and int(turns.count) == t
+  assert not np.asarray(turns.fed).any() and int(turns.count) == t
 
 
 def test_call_spanning_another_rows_feed_round(policy, runner):
@@ -180,11 +185,10 @@ def test_call_spanning_another_rows_feed_round(policy, runner):
   expression = "+".join(str(i) for i in range(1, 31))      # sums to 465
   long = _call(tok, '{"name": "calculator", "arguments": {"expression": "%s"}}' % expression)
   assert len(long) > len(short) + 16
-  engine = _engine(policy, runner, g=1, t=160, forced_width=len(long))
-  traj = engine.run(policy.params, ids, mask, jax.random.key(2),
-                    script=lambda r, t: (short, long)[r] if t == 0 else None)
+  engine = _engine(policy, runner, {(0, 0): short, (1, 0): long}, g=1, t=160)
+  _, traj, metrics = _run(engine, policy, ids, mask, 2)
   assert traj.turns.tolist() == [1, 1] and traj.tool_errors.tolist() == [0, 0]
-  assert traj.metrics["tools/false_triggers"] == 0 and traj.metrics["tools/feeds"] >= 2
+  assert metrics["tools/false_triggers"] == 0 and metrics["tools/feeds"] >= 2
   prefix, suffix = engine.wrap
   resp = tok.encode(prefix + "465" + suffix)
   # The call went out exactly as scripted (its forcing was not restarted by row 0's round) and
@@ -200,8 +204,8 @@ def test_hostile_calls_become_error_observations(policy, runner):
             '{"name": "calculator", "arguments": {"expr": "1"}}',               # wrong argument
             '{"name": "python", "arguments": {"code": "while True: pass"}}']    # hangs past the timeout
   calls = {r: _call(tok, b) for r, b in enumerate(bodies)}
-  engine = _engine(policy, runner, g=1, t=160, forced_width=40)
-  traj = engine.run(policy.params, ids, mask, jax.random.key(0), script=lambda r, t: calls[r] if t == 0 else None)
+  engine = _engine(policy, runner, {(r, 0): c for r, c in calls.items()}, g=1, t=160)
+  _, traj, _ = _run(engine, policy, ids, mask, 0)
   assert traj.turns.tolist() == [1, 1, 1, 1]
   assert traj.tool_errors.tolist() == [1, 1, 1, 1]
   for r in range(4):
@@ -217,8 +221,8 @@ def test_python_format_keeps_interpreter_state_and_turn_limit(policy, runner):
   ids, mask = _prompts(tok, ["x"])
   cells = [tok.encode("```python\nx = 21\n```"), tok.encode("```python\nprint(x * 2)\n```"),
            tok.encode("```python\nprint(1)\n```")]
-  engine = _engine(policy, runner, g=1, t=200, fmt="python", max_turns=2, forced_width=24)
-  traj = engine.run(policy.params, ids, mask, jax.random.key(1), script=lambda r, t: cells[t] if t < 3 else None)
+  engine = _engine(policy, runner, {(0, t): c for t, c in enumerate(cells)}, g=1, t=200, fmt="python", max_turns=2)
+  _, traj, _ = _run(engine, policy, ids, mask, 1)
   text = tok.decode(traj.tokens[0, :traj.lengths[0]].tolist(), skip_special_tokens=False)
   assert traj.turns.tolist() == [2]
   assert "<interpreter>\n42\n</interpreter>" in text, text
@@ -244,12 +248,12 @@ def test_update_trains_on_model_tokens_and_recomputes_sampler_logprobs(policy, r
   ids, mask = _prompts(tok, ["What is 6*7?", "Compute 2+3."])
   calls = {0: _call(tok, '{"name": "calculator", "arguments": {"expression": "6*7"}}'),
            2: _call(tok, '{"name": "calculator", "arguments": {"expression": "2+3"}}')}
-  engine = _engine(policy, runner, g=2)
-  traj = engine.run(policy.params, ids, mask, jax.random.key(5), script=lambda r, t: calls.get(r) if t == 0 else None)
+  engine = _engine(policy, runner, {(r, 0): c for r, c in calls.items()}, g=2)
+  rollout, traj, _ = _run(engine, policy, ids, mask, 5)
   assert traj.turns.tolist() == [1, 0, 1, 0]
   g = engine.sp.num_samples
   rewards = jnp.asarray([1.0, 0.0, 0.0, 1.0])
-  rollout = traj.rollout.with_rewards(rewards, rewards[:, None])
+  rollout = rollout.with_rewards(rewards, rewards[:, None])
   np.testing.assert_array_equal(np.asarray(rollout.prompt_ids), np.repeat(ids, g, 0))
   np.testing.assert_array_equal(np.asarray(rollout.context_mask), traj.context_mask)
   assert rollout.group_size == g
@@ -274,8 +278,8 @@ def test_update_trains_on_model_tokens_and_recomputes_sampler_logprobs(policy, r
 def test_trainer_runs_multi_turn_steps(tmp_path):
   """The trainer's multi-turn step end to end (tiny random model, python format): the engine is
   given a script so that rows 0 and 2 run a code cell; the per-trajectory `tool_use` component
-  sees their calls, and the update trains on the trajectories."""
-  import types
+  sees their calls, and the update trains on the trajectories. The runner's step reports the
+  trajectories it trained on (StepOutput.info)."""
   from models_testlib import tiny_retool_config
   from rljax.trainer.loop import Trainer
   c = tiny_retool_config(tmp_path)
@@ -283,14 +287,15 @@ def test_trainer_runs_multi_turn_steps(tmp_path):
                           dict(name="tools", verifier="tool_use", weight=0.5, kwargs=dict(per_call=1.0))]
   trainer = Trainer(c)
   try:
-    engine = trainer.runner.producer.engine
-    scripted = ToolRollout(engine.config, engine.tokenizer, engine.runner, engine.sp,
-                           dataclasses.replace(engine.tp, forced_width=16), fmt="python", eos_ids=engine.stop_ids)
+    producer = trainer.runner.producer
+    engine = producer.tools
     cell = trainer.tokenizer.encode("```python\nprint(6*7)\n```")
-    script = lambda row, turn: cell if row % 2 == 0 and turn == 0 else None
-    trainer.runner.producer.engine = types.SimpleNamespace(run=lambda *a: scripted.run(*a, script=script))
-    m = trainer.run_step()
-    traj = trainer.runner.producer.last
+    scripted = ToolRollout(engine.config, engine.tokenizer, engine.runner, engine.sp, engine.tp, fmt="python",
+                           eos_ids=engine.stop_ids, draw=ScriptedDraw.of({(0, 0): cell, (2, 0): cell}))
+    trainer.runner.producer = ToolProducer(scripted, trainer.mesh, trainer.batch_rows)
+    trainer.state, out = trainer.runner.step(trainer.state, trainer.feed)
+    m = trainer.host_metrics(out)
+    traj = out.info.trajectories
   finally:
     trainer.close()
   assert traj.turns.tolist() == [1, 0, 1, 0]
@@ -306,7 +311,6 @@ def test_evaluation_scores_trajectories_with_tool_output(policy, runner, tmp_pat
   """`evaluate_policy` (the trainer's eval and `rljax eval --tools`) with a scripted engine: the
   first completion of every example runs a cell, the verifier sees the interpreter's output in
   the completion, and the per-example tool counts add up to the printed rate."""
-  import types
   from rljax.data import build_dataset
   from rljax.rewards import RewardPool, RewardSpec
   from rljax.trainer.evaluate import evaluate_policy
@@ -316,10 +320,8 @@ def test_evaluation_scores_trajectories_with_tool_output(policy, runner, tmp_pat
   cell = tok.encode("```python\nprint(6*7)\n```")
 
   def tool_rollout(sp):
-    engine = ToolRollout(policy.config, tok, runner, sp, TurnParams(segment_tokens=8, forced_width=16, max_turns=2),
-                         fmt="python", eos_ids=sp.stop_token_ids)
-    return types.SimpleNamespace(run=lambda *a: engine.run(*a, script=lambda r, t: cell if r % 2 == 0 and t == 0
-                                                            else None))
+    return scripted_tool_rollout(policy.config, tok, runner, sp, {(r, 0): cell for r in range(0, 4, 2)}, fmt="python",
+                                 segment_tokens=8, max_turns=2)
 
   sp = SamplingParams(num_samples=2, max_new_tokens=40, temperature=1.0, stop_token_ids=tuple(tok.stop_ids))
   spec = RewardSpec.from_dict({"components": [{"name": "correct", "verifier": "arithmetic", "weight": 1.0}],

@@ -49,11 +49,13 @@ def test_staleness_zero_reproduces_the_fused_mode(tmp_path, fused, mode):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
   # As in test_trainer's mesh comparison: float32 reduction-order noise, which Adam turns into an
-  # update difference of up to ~1% of the learning rate (0.1) on elements with near-eps gradients.
-  # Three steps (one more than that test) on 4 learner devices against 8: measured 99.98% close.
+  # update difference of a few % of the learning rate (0.1) on elements with near-eps gradients.
+  # Three steps (one more than that test) on 4 learner devices against 8: measured 99.996% close,
+  # at most 2.1% of the learning rate apart (which elements have near-eps gradients depends on
+  # the samples: with the key chain before issue 30, 0.9% at this seed and 3.3% at seed 1).
   a, b = flat(params), flat(want_params)
   assert np.isclose(a, b, rtol=1e-4, atol=1e-5).mean() > 0.999
-  assert np.max(np.abs(a - b)) < 0.02 * 0.1
+  assert np.max(np.abs(a - b)) < 0.05 * 0.1
   assert trainer.data_state == fused_trainer.data_state   # a checkpoint would resume at the same batch
   if mode == "async":
     assert len(trainer.mesh.devices.flat) == 4 and len(trainer.generator_mesh.devices.flat) == 4

@@ -14,8 +14,8 @@ from rljax.models.convert import hf_to_params
 from rljax.models.policy import Policy, apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
 from rljax.rl.logprobs import chunked_logprobs
-from rljax import decode, sampling
-from rljax.sampling import SampleOutput, SamplingParams, generate, sample, sample_logits
+from rljax.rollout import SampleOutput, SamplingParams, generate, sample, sample_logits
+from rljax.rollout import draw, sampler
 
 VOCAB = 96
 LENGTHS = (7, 3, 5, 1)  # ragged prompts, left-padded to width 7
@@ -231,7 +231,7 @@ def test_two_level_draw_matches_the_distribution(top_k):
   multiple of the block), mass spread over many blocks. 40,000 draws; the counts of the 30 most
   likely tokens and of the rest pooled fit the distribution (chi-square p > 1e-3, seed fixed)."""
   v = 1300
-  assert v > 2 * decode._DRAW_BLOCK and v % decode._DRAW_BLOCK
+  assert v > 2 * draw._DRAW_BLOCK and v % draw._DRAW_BLOCK
   logits = jnp.asarray(np.random.default_rng(3).normal(0, 2.0, v), jnp.float32)
   sp = SamplingParams(1, 1, top_k=top_k)
   n = 40_000
@@ -250,7 +250,7 @@ def test_two_level_draw_matches_the_distribution(top_k):
   if top_k:   # every kept token is among the top 40: no pooled cell
     cells_c, cells_p = counts[np.flatnonzero(keep)], probs[np.flatnonzero(keep)]
   assert _chi_square_pvalue(cells_c, cells_p) > 1e-3
-  assert len(np.unique(np.asarray(tokens) // decode._DRAW_BLOCK)) > 3     # draws land in many blocks
+  assert len(np.unique(np.asarray(tokens) // draw._DRAW_BLOCK)) > 3     # draws land in many blocks
 
 
 def test_sampler_frequencies_end_to_end(models):
@@ -279,7 +279,7 @@ def test_top_p_wide_nucleus_uses_exact_fallback():
   scaled = jnp.asarray(logits)
   shifted = scaled - scaled.max(-1, keepdims=True)
   log_z = jnp.log(jnp.exp(shifted).sum(-1))
-  thr = np.asarray(jax.jit(decode._truncation_threshold, static_argnums=3)(scaled, shifted, log_z, sp))
+  thr = np.asarray(jax.jit(draw._truncation_threshold, static_argnums=3)(scaled, shifted, log_z, sp))
   for row, t in zip(logits, thr):
     np.testing.assert_array_equal(row >= t, _reference_keep(row.astype(np.float64), 0, 0.9, 0.0))
 
@@ -299,7 +299,7 @@ def test_shared_prefix_attention_equals_fanned_out_cache(t):
   attention over one cache per row holding the prompt's slots followed by the row's own (the
   layout before sharing), with masked slots in both parts (left padding, rows at different
   lengths, causal among the T new tokens). Tolerance 1e-6 (float32, another summation order)."""
-  from rljax.models.transformer import _cached_attention
+  from rljax.models.cache import LayerCache, PrefixView, cached_attention
   p, g, kh, r, dh, sp, s = 3, 4, 2, 3, 16, 7, 6
   keys = jax.random.split(jax.random.key(t), 5)
   q = jax.random.normal(keys[0], (p * g, t, kh, r, dh))
@@ -308,14 +308,15 @@ def test_shared_prefix_attention_equals_fanned_out_cache(t):
   pmask = jnp.arange(sp)[None, :] >= jnp.array([[0], [2], [4]])                  # left padding of 0, 2, 4
   lengths = jnp.arange(p * g) % (s - t + 1)                                        # rows at different lengths
   mask = jnp.arange(s)[None, None, :] <= (lengths[:, None] + jnp.arange(t)[None, :])[..., None]  # [B, T, S]
-  shared = _cached_attention(q, k, v, mask, (pk, pv, pmask))
+  shared = cached_attention(q, LayerCache(k, v), mask, PrefixView(LayerCache(pk, pv), pmask))
   fan = lambda x: jnp.repeat(x, g, axis=0)
   full_mask = jnp.concatenate([jnp.broadcast_to(fan(pmask)[:, None], (p * g, t, sp)), mask], -1)
-  full = _cached_attention(q, jnp.concatenate([fan(pk), k], -1), jnp.concatenate([fan(pv), v], -2), full_mask)
+  full = cached_attention(q, LayerCache(jnp.concatenate([fan(pk), k], -1), jnp.concatenate([fan(pv), v], -2)),
+                          full_mask)
   assert shared.shape == (p * g, t, kh, r, dh)
   np.testing.assert_allclose(np.asarray(shared), np.asarray(full), atol=1e-6, rtol=1e-6)
   # The prefix matters: dropping it changes the output.
-  assert np.abs(np.asarray(_cached_attention(q, k, v, mask)) - np.asarray(full)).max() > 1e-2
+  assert np.abs(np.asarray(cached_attention(q, LayerCache(k, v), mask)) - np.asarray(full)).max() > 1e-2
 
 
 # ---- reproducibility, stop tokens, sharding ---------------------------------------------------
@@ -396,10 +397,10 @@ def test_left_pad_stage_ends_and_effective_temperature():
   with pytest.raises(ValueError, match="width 1"):
     left_pad([[1, 2]], 0, width=1)
   # The completion cache grows in up to 4 stages of at least 32 tokens.
-  assert sampling.stage_ends(128) == (32, 64, 96, 128) and sampling.stage_ends(70) == (35, 70)
-  assert sampling.stage_ends(40) == (40,)
+  assert sampler.stage_ends(128) == (32, 64, 96, 128) and sampler.stage_ends(70) == (35, 70)
+  assert sampler.stage_ends(40) == (40,)
   # Temperature 0 means greedy, its log-probs recorded at temperature 1.
-  assert sampling.effective_temperature(0) == 1.0 and sampling.effective_temperature(0.7) == 0.7
+  assert draw.effective_temperature(0) == 1.0 and draw.effective_temperature(0.7) == 0.7
   assert SamplingParams(1, 1, temperature=0.0).logprob_temperature == 1.0
 
 

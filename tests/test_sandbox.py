@@ -6,6 +6,7 @@ unprivileged user namespace. `run_checks` is shared by both.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -32,8 +33,8 @@ def _run(source: str, limits: sandbox.SandboxLimits = LIMITS) -> sandbox.Sandbox
   return sandbox.run_python(source, limits=limits)
 
 
-def _json_out(source: str) -> object:
-  res = _run("import json, os\n" + source)
+def _json_out(source: str, limits: sandbox.SandboxLimits = LIMITS) -> object:
+  res = _run("import json, os\n" + source, limits)
   assert res.ok, (res.returncode, res.stderr[-2000:])
   return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -175,6 +176,55 @@ def check_resource_limits(ctx):
   assert not res.ok and "MemoryError" in res.stderr
   res = _run("print('y' * 10000)", sandbox.SandboxLimits(max_output_bytes=100))
   assert res.ok and res.truncated and len(res.stdout) == 100
+
+
+def check_disk_quota(ctx):
+  # Everything the code can write (its directory, /tmp, /dev/shm) is one tmpfs of disk_mb: 200 MB
+  # of writes stop at 16 MB (ENOSPC), never on the host's disk.
+  got = _json_out("""written, errors = 0, []
+for where in ('.', '/tmp', '/dev/shm'):
+  try:
+    for i in range(25):
+      with open(f'{where}/blob{i}', 'wb') as f:
+        for _ in range(8):
+          f.write(b'x' * (1 << 20))
+          written += 1
+  except OSError as e:
+    errors.append(e.errno)
+print(json.dumps([written, errors]))""", sandbox.SandboxLimits(timeout_s=5.0, disk_mb=16))
+  written, errors = got
+  assert written <= 16 and errors == [28, 28, 28], got
+
+
+def _staged(tag: str) -> list[str]:
+  return glob.glob(os.path.join(tempfile.gettempdir(), f"rljax-sbx-{tag}-*"))
+
+
+def check_cleanup_despite_modes(ctx):
+  # Directories and files the code made unreadable (chmod 000, its own directory included) do
+  # not stop the cleanup: nothing of the run is left on the host.
+  tag = f"chk{secrets.token_hex(4)}"
+  sandbox.set_worker_tag(tag)
+  try:
+    res = _run("import os\nos.makedirs('d/e')\nopen('d/e/f', 'w').write('x')\nos.chmod('d/e', 0)\n"
+               "os.chmod('d', 0)\nos.chmod('.', 0)\nprint('locked')")
+  finally:
+    sandbox.set_worker_tag(None)
+  assert res.ok and "locked" in res.stdout, res.stderr[-500:]
+  assert not _staged(tag), _staged(tag)
+
+
+def check_remove_tree_unlocks(ctx):
+  # Without namespaces the code writes into a host directory as this user: the cleanup restores
+  # the modes it needs (as root they do not matter; as an ordinary user they do).
+  top = tempfile.mkdtemp(prefix="rljax-locked-")
+  os.makedirs(os.path.join(top, "a", "b"))
+  with open(os.path.join(top, "a", "b", "f"), "w") as f:
+    f.write("x")
+  for path in (os.path.join(top, "a", "b"), os.path.join(top, "a"), top):
+    os.chmod(path, 0)
+  sandbox.remove_tree(top)
+  assert not os.path.lexists(top)
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")}

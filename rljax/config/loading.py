@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import traceback
 from typing import Sequence
 
 import ml_collections
@@ -41,7 +42,13 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}") from e
   if not hasattr(module, "get_config"):
     raise ConfigError(f"config file {path!r} has no get_config() function.")
-  cfg = module.get_config()
+  try:
+    cfg = module.get_config()
+  except Exception as e:  # A recipe whose get_config() raises: say which file and where, not a traceback.
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(path)]
+    where = f" (line {frames[-1].lineno})" if frames else ""
+    raise ConfigError(f"config file {path!r}: get_config() raised {type(e).__name__}: {e}{where}; fix the recipe.") \
+        from e
   if not isinstance(cfg, ml_collections.ConfigDict):
     raise ConfigError(f"config file {path!r}: get_config() returned a {type(cfg).__name__}; return the "
                       "ConfigDict of rljax.config.base_config() with your changes.")

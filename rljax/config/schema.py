@@ -118,6 +118,8 @@ SCHEMA = Section(
         prompt_template=Field("{prompt}", "the user message; {prompt} is the example's prompt"),
         max_prompt_tokens=Field(128, "prompts longer than this (in tokens, after the chat template) are filtered out"),
         on_malformed=Field("skip", "an example the source cannot parse: skip (and count it) or raise"),
+        max_line_bytes=Field(16 << 20, "a JSONL line longer than this (bytes) is a malformed row, never read "
+                                       "into memory"),
         shuffle=Field(True, "shuffle the examples (each epoch)"),
         seed=Field(0, "seed of the shuffle and of procedural sources"),
         num_epochs=Field(None, "passes over the data before the run stops; None cycles forever"),

@@ -6,6 +6,10 @@ tool formats from rljax.tools, schedules from rljax.trainer.optim).
 """
 from __future__ import annotations
 
+import json
+import math
+import os
+
 import ml_collections
 
 from rljax.config.derive import dynamic_oversample, lora_config, loss_config, max_staleness
@@ -32,6 +36,7 @@ def _positive(c, path: str, value, allow_zero=False):
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Checks types, ranges and contradictions; raises ConfigError naming the field and the fix."""
+  _validate_finite(c)
   s, t, o = c.sampling, c.train, c.optim
   _positive(c, "sampling.num_samples", s.num_samples)
   _positive(c, "sampling.max_new_tokens", s.max_new_tokens)
@@ -82,16 +87,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.eval.samples={c.eval.samples} must be >= 1.")
   _positive(c, "eval.batch_size", c.eval.batch_size, allow_zero=True)
   _validate_eval_data(c)
+  _validate_lora_rank(c)
+  _validate_batch_axes(c)
   _validate_rewards(c)
   _validate_run_control(c)
-
-
-def _validate_rewards(c: ml_collections.ConfigDict) -> None:
-  """The reward spec as the trainer builds it (unknown component fields, weights, gates), and every
-  component's verifier resolved (a typo or a module that does not import), before any model loads."""
-  from rljax.rewards.spec import RewardSpec
-  spec = RewardSpec.from_dict(c.rewards.to_dict())
-  spec.resolve()
 
 
 def _validate_run_control(c: ml_collections.ConfigDict) -> None:
@@ -248,3 +247,81 @@ def _validate_packing(c: ml_collections.ConfigDict) -> None:
   if loss_config(c).agg == "prompt-mean":
     raise ConfigError("config.rl.agg='prompt-mean' with train.pack_tokens: a packed block may hold part of a "
                       "group, and prompt-mean needs whole groups; set train.pack_tokens=0 or another rl.agg.")
+
+
+# ---- limits that would fail late (issue 37): non-finite numbers, LoRA rank, the reward spec ----------
+
+
+def _leaves(value, path: str):
+  if isinstance(value, dict):
+    for k, v in value.items():
+      yield from _leaves(v, f"{path}.{k}" if path else str(k))
+  elif isinstance(value, (list, tuple)):
+    for i, v in enumerate(value):
+      yield from _leaves(v, f"{path}[{i}]")
+  else:
+    yield path, value
+
+
+def _validate_finite(c: ml_collections.ConfigDict) -> None:
+  """No field may be inf or NaN (e.g. optim.learning_rate=1e999 parses as inf): no setting means
+  "unlimited" that way, and each one would fail or poison the run later."""
+  for path, value in _leaves(c.to_dict(), ""):
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f"config.{path}={value!r} must be a finite number (a literal such as 1e999 overflows to "
+                        "inf); give a real value.")
+
+
+def _model_hidden_size(c: ml_collections.ConfigDict) -> tuple[int, str] | None:
+  """The model's hidden size and where it comes from, when known without loading anything heavy."""
+  if c.model.path == "random":
+    return int(c.model.random.hidden_size), "config.model.random.hidden_size"
+  path = os.path.join(os.path.expanduser(str(c.model.path)), "config.json")
+  try:
+    with open(path) as f:
+      hf = json.load(f)
+  except (OSError, ValueError):
+    return None  # a hub name, a GGUF file, ...: the model load checks its own shapes
+  hf = hf.get("text_config", hf) if isinstance(hf, dict) else {}
+  size = hf.get("hidden_size") if isinstance(hf, dict) else None
+  return (int(size), path) if isinstance(size, int) else None
+
+
+def _validate_lora_rank(c: ml_collections.ConfigDict) -> None:
+  lc = lora_config(c)
+  known = _model_hidden_size(c) if lc is not None else None
+  if known is not None and lc.rank > known[0]:
+    raise ConfigError(f"config.model.lora.rank={lc.rank} is larger than the model's hidden size ({known[0]}, from "
+                      f"{known[1]}): the adapted projections are at most that wide, so a larger rank only adds "
+                      "parameters. Use a rank below it (8-64 are usual).")
+
+
+def _validate_batch_axes(c: ml_collections.ConfigDict) -> None:
+  """An explicit data axis must divide the prompts of a step (else every data slice samples every
+  prompt; across processes the reward callback would get rows whose examples live elsewhere)."""
+  data = tuple(c.mesh.shape)[0]
+  if isinstance(data, int) and data > 1 and c.train.prompts_per_step % data:
+    raise ConfigError(f"config.train.prompts_per_step={c.train.prompts_per_step} is not divisible by the data axis "
+                      f"of config.mesh.shape={tuple(c.mesh.shape)} ({data}): the prompts cannot be split over it. "
+                      f"Make prompts_per_step a multiple of {data}, or change mesh.shape.")
+
+
+def check_batch_mesh(c: ml_collections.ConfigDict, mesh, process_count: int) -> None:
+  """Once the mesh exists (its -1 resolved): with several processes, the prompts of a step must
+  split over the data and fsdp axes, so that each process's devices hold exactly the prompts its
+  data shard reads (the reward callback scores them against that shard's examples)."""
+  batch = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+  if process_count > 1 and c.train.prompts_per_step % batch:
+    raise ConfigError(f"config.train.prompts_per_step={c.train.prompts_per_step} is not divisible by the mesh's data "
+                      f"x fsdp size ({batch}, mesh.shape={tuple(c.mesh.shape)} on {mesh.devices.size} devices) in a "
+                      f"run of {process_count} processes: make it a multiple of {batch}.")
+
+
+def _validate_rewards(c: ml_collections.ConfigDict) -> None:
+  """The reward spec as the pool will read it (rljax.rewards.RewardSpec): fields, verifiers, their
+  kwargs and signatures, time limits; no worker is started."""
+  from rljax.rewards.spec import RewardSpec   # noqa: PLC0415 - keeps `import rljax.config` light
+  try:
+    RewardSpec.from_dict(c.rewards.to_dict())
+  except ConfigError as e:
+    raise ConfigError(f"config.{e}") from None

@@ -31,6 +31,7 @@ TOP_LEVEL_DEFAULTS: dict[str, Any] = {
     "pad_buckets": "pow2",          # prompt widths: 16 x 2^k ("pow2": a handful of programs) or any multiple
     "pad_to_max_prompt_tokens": False,
     "on_malformed": "skip",
+    "max_line_bytes": 16 << 20,     # a longer JSONL line is a malformed row (sources.DEFAULT_MAX_LINE_BYTES)
     "shuffle": True,
     "seed": 0,
     "num_epochs": None,
@@ -280,6 +281,7 @@ def normalize_config(cfg: Any) -> dict[str, Any]:
     raise ConfigError("data.pad_to_max_prompt_tokens=true needs data.max_prompt_tokens to be set.")
   if out["on_malformed"] not in ("skip", "raise"):
     raise ConfigError(f"data.on_malformed={out['on_malformed']!r}: expected 'skip' or 'raise'.")
+  _check_int(out["max_line_bytes"], "data.max_line_bytes", minimum=1024)
   _check_bool(out["shuffle"], "data.shuffle")
   _check_int(out["seed"], "data.seed", minimum=0)
   _check_int(out["num_epochs"], "data.num_epochs", minimum=1, optional=True)

@@ -28,7 +28,7 @@ import grain
 from rljax.data import procedural
 from rljax.data.config import FILE_KINDS, PROCEDURAL_KINDS, normalize_config
 from rljax.data.formats import Example, row_to_example
-from rljax.data.sources import RowError, RowReader, TfdsReader, open_files
+from rljax.data.sources import DEFAULT_MAX_LINE_BYTES, RowError, RowReader, TfdsReader, open_files
 from rljax.errors import ConfigError, DataError
 
 _FILE_FORMATS = {"jsonl": ("jsonl",), "json": ("json",), "parquet": ("parquet",)}
@@ -100,7 +100,8 @@ def open_source(src: dict[str, Any], top: dict[str, Any], index: int, split: str
                                   num_examples=src["num_examples"], held_out_fraction=src["held_out_fraction"])
   elif kind in FILE_KINDS:
     path = _split_value(src["path"], split, f"{where}.path")
-    reader = open_files(path, _FILE_FORMATS.get(kind, _ANY_FORMAT), _columns(src["fields"]), where)
+    reader = open_files(path, _FILE_FORMATS.get(kind, _ANY_FORMAT), _columns(src["fields"]), where,
+                        top["max_line_bytes"])
   else:
     tfds_split = _split_value(src["split"], split, f"{where}.split") or split
     reader = TfdsReader(name=src["name"], path=src["path"], data_dir=src["data_dir"], split=tfds_split, where=where)
@@ -164,7 +165,9 @@ class PromptDataset:
     self.process_index = process_index
     self.process_count = process_count
     self.sources = sources
-    blob = json.dumps([config, split, process_index, process_count] + ([shard_block] if shard_block > 1 else []),
+    # Defaults of fields added later are left out, so that states saved before them stay valid.
+    hashed = {k: v for k, v in config.items() if not (k == "max_line_bytes" and v == DEFAULT_MAX_LINE_BYTES)}
+    blob = json.dumps([hashed, split, process_index, process_count] + ([shard_block] if shard_block > 1 else []),
                       sort_keys=True, default=str)
     self.fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
 

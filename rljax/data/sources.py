@@ -70,22 +70,67 @@ def resolve_files(path: str, formats: Sequence[str], where: str) -> list[tuple[s
   return out
 
 
-class JsonlReader(RowReader):
-  """One JSON object per non-blank line; lines are parsed lazily on access."""
+# Encodings JSONL files must not be in (JSON lines are UTF-8; a UTF-16 file would be split at
+# the wrong bytes and read "by accident", losing rows).
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32-LE"), (b"\x00\x00\xfe\xff", "UTF-32-BE"), (b"\xff\xfe", "UTF-16-LE"),
+         (b"\xfe\xff", "UTF-16-BE"))
+DEFAULT_MAX_LINE_BYTES = 16 << 20
 
-  def __init__(self, file: str):
+
+def sniff_encoding(head: bytes) -> str | None:
+  """The UTF-16/32 encoding the first bytes of a text file show (a byte-order mark, or the NUL
+  bytes of ASCII text in UTF-16/32), or None (UTF-8, or too short to tell)."""
+  for bom, name in _BOMS:
+    if head.startswith(bom):
+      return name + " (byte-order mark)"
+  if len(head) >= 4:
+    if head[1:4] == b"\0\0\0" and head[0]:
+      return "UTF-32-LE"
+    if head[:3] == b"\0\0\0" and head[3]:
+      return "UTF-32-BE"
+    if head[1] == 0 and head[3] == 0 and head[0] and head[2]:
+      return "UTF-16-LE"
+    if head[0] == 0 and head[2] == 0 and head[1] and head[3]:
+      return "UTF-16-BE"
+  return None
+
+
+class JsonlReader(RowReader):
+  """One JSON object per non-blank line; lines are parsed lazily on access.
+
+  A line longer than `max_line_bytes` is a malformed row: it is skipped over while the file is
+  indexed (never held in memory) and reading it raises RowError. A UTF-16/32 file is refused.
+  """
+
+  def __init__(self, file: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, where: str = "data"):
     self._file = file
-    offsets, lines = [], []
+    self._limit = int(max_line_bytes)
+    offsets, lines, long = [], [], {}
     with open(file, "rb") as f:
+      encoding = sniff_encoding(f.read(4))
+      if encoding is not None:
+        raise DataError(f"{where}: '{file}' is {encoding}; JSONL files must be UTF-8. Convert it, e.g. "
+                        f"iconv -f {encoding.split()[0]} -t UTF-8 '{file}' > converted.jsonl")
+      f.seek(0)
       pos, line_no = 0, 0
-      for raw in f:
+      while raw := f.readline(self._limit + 1):
         line_no += 1
-        if raw.strip():
+        size = len(raw)
+        if size > self._limit and not raw.endswith(b"\n"):  # too long: skip to its end unread
+          while chunk := f.readline(1 << 16):
+            size += len(chunk)
+            if chunk.endswith(b"\n"):
+              break
+          long[len(offsets)] = size
           offsets.append(pos)
           lines.append(line_no)
-        pos += len(raw)
+        elif raw.strip():
+          offsets.append(pos)
+          lines.append(line_no)
+        pos += size
     self._offsets = np.asarray(offsets, np.int64)
     self._lines = np.asarray(lines, np.int64)
+    self._long = long
     self._handle = None
 
   def __len__(self) -> int:
@@ -97,10 +142,16 @@ class JsonlReader(RowReader):
     return state
 
   def read(self, index: int) -> dict[str, Any]:
+    if index in self._long:
+      raise RowError(f"the line has {self._long[index]} bytes, more than data.max_line_bytes={self._limit}; "
+                     "shorten it, or raise data.max_line_bytes")
     if self._handle is None:
       self._handle = open(self._file, "rb")
     self._handle.seek(int(self._offsets[index]))
-    raw = self._handle.readline()
+    raw = self._handle.readline(self._limit + 1)
+    if len(raw) > self._limit and not raw.endswith(b"\n"):
+      raise RowError(f"the line has more than data.max_line_bytes={self._limit} bytes (the file changed since it "
+                     "was opened?)")
     try:
       row = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -247,12 +298,13 @@ class ConcatReader(RowReader):
     return reader.where(local)
 
 
-def open_files(path: str, formats: Sequence[str], columns: Sequence[str], where: str) -> RowReader:
+def open_files(path: str, formats: Sequence[str], columns: Sequence[str], where: str,
+               max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> RowReader:
   """Opens every file under `path` as one reader, in sorted file order."""
   readers = []
   for file, fmt in resolve_files(path, formats, where):
     if fmt == "jsonl":
-      readers.append(JsonlReader(file))
+      readers.append(JsonlReader(file, max_line_bytes, where))
     elif fmt == "json":
       readers.append(JsonReader(file))
     else:

@@ -92,8 +92,5 @@ def apply_model(config: ModelConfig, params, tokens, positions, token_mask=None,
 
 
 def output_kernel(config: ModelConfig, params) -> jax.Array:
-  """[D, V] output projection (the transposed embedding when tied) in the compute dtype, as the
-  model's own logits use it: the learner's log-probs then match the sampler's matmul, and on a
-  mesh the all-gathered kernel is bf16 rather than the fp32 parameter (half the bytes)."""
-  kernel = params["embedding"].T if config.tie_word_embeddings else params["lm_head"]
-  return kernel.astype(config.compute_dtype)
+  """[D, V] output projection in the compute dtype: `Transformer.output_kernel` of `params`."""
+  return Transformer(config).apply({"params": params}, method=Transformer.output_kernel)

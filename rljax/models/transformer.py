@@ -27,42 +27,16 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from rljax import sharding as shd
-from rljax.models.attention import attend, scale_scores, soft_cap
+from rljax.models.attention import attend, soft_cap
+from rljax.models.cache import DecodeCache, KVCache, LayerCache, PrefixCache, PrefixView, cached_attention
 from rljax.models.config import ModelConfig
-
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-class KVCache(NamedTuple):
-  """Preallocated keys and values of every layer.
-
-  k: [L, B, K, Dh, S] (keys stored transposed), v: [L, B, K, S, Dh], both in the compute
-  dtype; kv_mask: [B, S] bool (slot holds a real token); index: [] int32, the next slot to
-  write. Memory: 2 * L * B * S * K * Dh * bytes.
-
-  Decode reads the whole cache every token, so its layout is chosen for that read: with (row,
-  KV head) leading and slots contiguous, one-token attention is a pair of reductions that
-  stream the cache once, with no transposed copy of it (the [L, B, S, K, Dh] layout made XLA
-  transpose every layer's cache on every step, several times slower on CPU).
-  """
-  k: jax.Array
-  v: jax.Array
-  kv_mask: jax.Array
-  index: jax.Array
-
-  @classmethod
-  def zeros(cls, config: ModelConfig, batch: int, slots: int) -> "KVCache":
-    k_shape = (config.num_layers, batch, config.num_kv_heads, config.head_dim, slots)
-    v_shape = (config.num_layers, batch, config.num_kv_heads, slots, config.head_dim)
-    return cls(jnp.zeros(k_shape, config.compute_dtype), jnp.zeros(v_shape, config.compute_dtype),
-               jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32))
 
 
 def _param(module: nn.Module, name: str, init, shape, axes, dtype):
@@ -207,8 +181,10 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, cos, sin, mask, layer_cache, prefix=None, sliding=None):
-    """x: [B, T, D]; layer_cache: (k [B, K, Dh, S], v [B, K, S, Dh], index) or None.
+  def __call__(self, x, cos, sin, mask, cache: LayerCache | None, index=None, prefix: PrefixView | None = None,
+               sliding=None):
+    """x: [B, T, D]; cache: this layer's keys and values (rljax.models.cache), the T new tokens
+    written at slots [index, index + T); or None (no cache).
 
     mask: with a cache, [B, T, S] bool, or (global, local) [B, T, S] bool pairs when the model has
     sliding layers; without, (token_mask [B, T] bool, segment_ids [B, T] int32 or None,
@@ -216,8 +192,8 @@ class Attention(nn.Module):
     masking block by block.
 
     prefix (with a cache only): a read-only cache shared by groups of B / P consecutive rows,
-    (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp] bool), attended before the row's own cache;
-    with sliding layers a fourth entry, the [B, T, Sp] bool window of each row's queries.
+    attended before the row's own cache; with sliding layers its `window` holds each row's
+    queries' window over it.
 
     sliding: [] bool, this layer attends within `config.sliding_window` (None = no sliding layers).
     """
@@ -246,7 +222,7 @@ class Attention(nn.Module):
     b, t = x.shape[:2]
     qg = q.reshape(b, t, k, h // k, dh)
     new_cache = None
-    if layer_cache is None:
+    if cache is None:
       token_mask, segment_ids, positions = mask
       window = None
       if sliding is not None:   # the global layers' window is larger than any distance
@@ -254,71 +230,20 @@ class Attention(nn.Module):
       out = attend(qg, key, val, token_mask=token_mask, segment_ids=segment_ids, impl=c.attention,
                    positions=positions, window=window, scale=c.attention_scale, softcap=c.attn_logit_softcap)
     else:
-      ck, cv, index = layer_cache
-      ck = jax.lax.dynamic_update_slice_in_dim(ck, key.transpose(0, 2, 3, 1).astype(ck.dtype), index, axis=3)
-      cv = jax.lax.dynamic_update_slice_in_dim(cv, val.transpose(0, 2, 1, 3).astype(cv.dtype), index, axis=2)
-      new_cache = (ck, cv)
+      new_cache = cache.write(key, val, index)
       prefix_rows = None
       if sliding is not None:
         mask = jnp.where(sliding, mask[1], mask[0])
         if prefix is not None:
-          prefix, prefix_rows = prefix[:3], prefix[3] | ~sliding
-      out = _cached_attention(qg, ck.astype(dt), cv.astype(dt), mask, prefix, scale=c.attention_scale,
-                              softcap=c.attn_logit_softcap, prefix_rows=prefix_rows)
+          prefix_rows = prefix.window | ~sliding
+      read = LayerCache(new_cache.k.astype(dt), new_cache.v.astype(dt))
+      out = cached_attention(qg, read, mask, prefix, scale=c.attention_scale, softcap=c.attn_logit_softcap,
+                             prefix_rows=prefix_rows)
     out = out.reshape(b, t, h, dh)
     wo = _param(self, "o_kernel", init, (h, dh, d), ("heads", "head_dim", "embed"), pdt)
     y = jnp.einsum("bthk,hkd->btd", out, wo.astype(dt))
     delta = _lora_delta(self, "o", out, ("heads", "head_dim"), (d,), ("embed",))
     return (y if delta is None else y + delta), new_cache
-
-
-def _cached_attention(q, k, v, mask, prefix=None, scale=None, softcap=None, prefix_rows=None):
-  """Attention of T new tokens per row over the row's cache and, optionally, a shared prefix.
-
-  q: [B, T, K, R, Dh] (R = query heads per KV head); k: [B, K, Dh, S]; v: [B, K, S, Dh];
-  mask: [B, T, S] bool; prefix: None or (k [P, K, Dh, Sp], v [P, K, Sp, Dh], mask [P, Sp]), a
-  read-only cache shared by each group of B / P consecutive rows and attended before the row's
-  own slots; prefix_rows: None or [B, T, Sp] bool, a further per-query mask of the prefix (a
-  sliding window). Scores are q.k * scale (default: q.k / sqrt(Dh)), then soft-capped
-  (cap * tanh(s / cap)) when `softcap` is set, then masked. Returns [B, T, K, R, Dh].
-
-  For one token (decode) a row's cache is read with products summed in place: one pass over the
-  cache, where batched matmuls with R-row operands run far below memory speed on CPU. The shared
-  prefix is read once per group, by one matmul whose rows are the group's G * T * R queries,
-  instead of once per row.
-  """
-  b, t, kh, r, dh = q.shape
-  if t == 1:
-    q1 = q[:, 0].astype(jnp.float32)  # [B, K, R, Dh]
-    scores = jnp.sum(q1[..., None] * k[:, :, None].astype(jnp.float32), axis=3)[:, :, None]  # [B, K, 1, R, S]
-  else:
-    scores = jnp.einsum("btkrd,bkds->bktrs", q, k, preferred_element_type=jnp.float32)
-  scores = jnp.where(mask[:, None, :, None, :], soft_cap(scale_scores(scores, scale, dh), softcap), _MASK_VALUE)
-  if prefix is not None:
-    pk, pv, pmask = prefix
-    p, n = pk.shape[0], pk.shape[-1]
-    g, rows = b // p, t * r
-    # [B, K, T, R, X] <-> [P, K, G * T * R, X]: a group's queries as the rows of one matmul.
-    grouped = lambda x: x.reshape(p, g, kh, rows, -1).transpose(0, 2, 1, 3, 4).reshape(p, kh, g * rows, x.shape[-1])
-    ungrouped = lambda x: x.reshape(p, kh, g, t, r, -1).transpose(0, 2, 1, 3, 4, 5).reshape(b, kh, t, r, x.shape[-1])
-    qk = q.transpose(0, 2, 1, 3, 4).astype(jnp.float32)  # [B, K, T, R, Dh]
-    pscores = jnp.einsum("pkqd,pkds->pkqs", grouped(qk), pk.astype(jnp.float32))
-    pscores = soft_cap(scale_scores(pscores, scale, dh), softcap)
-    pscores = ungrouped(jnp.where(pmask[:, None, None, :], pscores, _MASK_VALUE))  # [B, K, T, R, Sp]
-    if prefix_rows is not None:
-      pscores = jnp.where(prefix_rows[:, None, :, None, :], pscores, _MASK_VALUE)
-    scores = jnp.concatenate([pscores, scores], axis=-1)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, T, R, (Sp +) S]
-  if prefix is not None:
-    shared = ungrouped(jnp.einsum("pkqs,pksd->pkqd", grouped(probs[..., :n]), pv.astype(v.dtype)))
-    probs = probs[..., n:]
-  if t == 1:
-    out = jnp.sum(probs[:, :, 0, :, :, None] * v[:, :, None], axis=3)[:, None]  # [B, 1, K, R, Dh]
-  else:
-    out = jnp.einsum("bktrs,bksd->btkrd", probs, v)
-  if prefix is not None:
-    out = out + shared.transpose(0, 2, 1, 3, 4)
-  return out
 
 
 class MLP(nn.Module):
@@ -351,14 +276,13 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, layer_cache, sliding, rope, mask, index, prefix=None):
+  def __call__(self, x, cache: LayerCache | None, sliding, rope, mask, index, prefix: PrefixView | None = None):
     c = self.config
     if not c.has_sliding_layers:
       sliding = None
     cos, sin = _select_rope(c, rope, sliding)
-    cache_in = None if layer_cache is None else (layer_cache[0], layer_cache[1], index)
     h = make_norm(c, name="input_norm")(x)
-    attn, new_cache = Attention(c, name="attn")(h, cos, sin, mask, cache_in, prefix, sliding)
+    attn, new_cache = Attention(c, name="attn")(h, cos, sin, mask, cache, index, prefix, sliding)
     if c.sandwich_norms:
       attn = make_norm(c, name="attn_out_norm")(attn)
     x = x + attn
@@ -396,8 +320,12 @@ class Transformer(nn.Module):
                             ("embed", "vocab"), c.storage_dtype)
 
   def output_kernel(self) -> jax.Array:
-    """[D, V] projection from final hidden states to logits."""
-    return self.embed.T if self.config.tie_word_embeddings else self.lm_head
+    """[D, V] projection from final hidden states to logits (the transposed embedding when tied),
+    in the compute dtype, as the logits use it: the learner's chunked log-probs take this kernel
+    too, so they match the sampler's matmul; on a mesh the all-gathered kernel is then the compute
+    dtype rather than the float32 parameter (half the bytes in bf16)."""
+    kernel = self.embed.T if self.config.tie_word_embeddings else self.lm_head
+    return kernel.astype(self.config.compute_dtype)
 
   def __call__(self, tokens, positions, token_mask=None, cache: KVCache | None = None, *, segment_ids=None,
                return_hidden=False):
@@ -432,24 +360,73 @@ class Transformer(nn.Module):
       mask = (slots <= query_slots)[None] & kv_mask[:, None, :]
       if c.has_sliding_layers:
         mask = (mask, mask & window_mask(c, positions, cache_key_positions(kv_mask)))
-      layer_caches = (cache.k, cache.v)
+      layer_caches = cache.layers
 
     x, new_layers = self.layers(x, layer_caches, sliding_flags(c), rope, mask, index)
     x = self.final_norm(x)
     new_cache = None
     if cache is not None:
-      new_cache = KVCache(new_layers[0], new_layers[1], kv_mask, index + t)
+      new_cache = KVCache(new_layers, kv_mask, index + t)
     if return_hidden:
       return x, new_cache
-    logits = jnp.einsum("btd,dv->btv", x, self.output_kernel().astype(c.compute_dtype),
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btd,dv->btv", x, self.output_kernel(), preferred_element_type=jnp.float32)
     return soft_cap(logits, c.final_logit_softcap), new_cache
 
   def hidden_to_logits(self, hidden):
     """[..., D] -> [..., V] float32 logits (soft-capped when `final_logit_softcap`)."""
-    logits = jnp.einsum("...d,dv->...v", hidden, self.output_kernel().astype(self.config.compute_dtype),
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...d,dv->...v", hidden, self.output_kernel(), preferred_element_type=jnp.float32)
     return soft_cap(logits, self.config.final_logit_softcap)
+
+  def decode(self, layers: tuple, tokens, positions, token_mask, cache: DecodeCache, prefix: PrefixCache | None = None):
+    """W new tokens per row through the model over per-layer caches, written at slots
+    [cache.index, cache.index + W): the forward of `__call__` with a cache, the layers unrolled.
+
+    layers: the L per-layer parameter trees (`layer_params`, sliced once, outside any decode
+    loop); tokens, positions: [B, W] int32; token_mask: [B, W] bool; cache: the rows' caches;
+    prefix: None, or the prompt cache that each group of B / P consecutive rows attends before
+    its own slots. Token w of a row attends to its prefix, then to the slots <= index + w whose
+    mask is set. Returns the final-normed hidden states [B, W, D] (compute dtype) and the cache
+    with the new tokens (index advanced by W).
+
+    One cache array and one parameter tree per layer instead of the scanned [L, ...] stacks:
+    slicing a layer out of a stack inside a decode loop copies its cache and weights on every
+    step, and decoding is bound by reading exactly those (2-3x slower per step, measured).
+
+    Sliding-window layers (Gemma) see the keys whose position is within the window of the
+    query's; a key's position is the number of real tokens before it in its row, prefix first
+    (`cache_key_positions`), as the callers number positions.
+    """
+    c = self.config
+    b, w = tokens.shape
+    x = embed_tokens(c, self.embed, tokens)  # [B, W, D]
+    rope = layer_rope(positions, c)
+    index = cache.index
+    kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.mask, token_mask, index, axis=1)
+    causal = jnp.arange(kv_mask.shape[1])[None, :] <= index + jnp.arange(w)[:, None]  # [W, S]
+    mask = causal[None] & kv_mask[:, None, :]  # [B, W, S]
+    window = None
+    if c.has_sliding_layers:
+      before = None
+      if prefix is not None:  # each row's queries against its group's prompt cache: [B, W, Sp]
+        rows = lambda a: jnp.repeat(a, b // prefix.mask.shape[0], axis=0, total_repeat_length=b)
+        before = rows(jnp.sum(prefix.mask, axis=-1, dtype=jnp.int32))
+        window = rows(prefix.mask)[:, None, :] & window_mask(c, positions, rows(cache_key_positions(prefix.mask)))
+      mask = (mask, mask & window_mask(c, positions, cache_key_positions(kv_mask, before)))
+    flags = c.sliding_layers if c.has_sliding_layers else (False,) * c.num_layers
+    layer = DecoderLayer(c, parent=None)
+    new = []
+    for i, (p, layer_cache) in enumerate(zip(layers, cache.layers)):
+      view = None if prefix is None else PrefixView(prefix.layers[i], prefix.mask, window)
+      x, layer_cache = layer.apply({"params": p}, x, layer_cache, jnp.asarray(flags[i]), rope, mask, index, view)
+      new.append(layer_cache)
+    x = self.final_norm(x)
+    return x, DecodeCache(tuple(new), kv_mask, index + w)
+
+
+def layer_params(config: ModelConfig, params) -> tuple:
+  """The [L, ...] stacked layer parameters as L per-layer trees (for `Transformer.decode`), sliced
+  once: call it outside a decode loop."""
+  return tuple(jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(config.num_layers))
 
 
 def positions_from_mask(token_mask: jax.Array) -> jax.Array:

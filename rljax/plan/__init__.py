@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                   "--config.FIELD=VALUE overrides, as `rljax train` does.")
   p.add_argument("--topology", required=True,
                  help="v5p-8 (4 chips), v5p-16, v5p-32, v4-8, v5e-8, v6e-8 (Cloud accelerator types), a raw "
-                      "topology such as v5p:2x2x2, or cpu:N")
+                      "topology such as v5p:2x2x2, cpu:N, or gpu:N (this machine's GPUs; with JAX_PLATFORMS=cuda)")
   p.add_argument("--program", default="all", choices=PROGRAMS + ("all",),
                  help="all (default) = sampler and learner, compiled separately; fused = both in one program")
   p.add_argument("--json", action="store_true", help="print the figures as JSON")

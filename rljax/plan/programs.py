@@ -148,7 +148,7 @@ def apply_lora(config: ml_collections.ConfigDict, mc: ModelConfig) -> ModelConfi
 
 def build_run(config: ml_collections.ConfigDict) -> Run:
   """The Run of a validated config, as the Trainer would set it up (trainer/loop.py)."""
-  from rljax.sampling import SamplingParams
+  from rljax.rollout.draw import SamplingParams
   from rljax.trainer.optim import make_optimizer
   from rljax.trainer.step import StepSpec
   mc, source = model_config(config)
@@ -308,7 +308,7 @@ def build_inputs(run: Run, mesh) -> Inputs:
 
 
 def make_generate(run: Run, mesh):
-  from rljax.trainer.step import make_generate_fn
+  from rljax.rollout.sampler import make_generate_fn
   return make_generate_fn(run.spec, mesh, decode_budget_bytes=run.decode_budget_bytes)
 
 
@@ -449,8 +449,8 @@ def _program(program: str, run: Run, mesh, inputs: Inputs) -> tuple[Callable, tu
     generate = make_generate(run, mesh)
 
     def step(state, prompt_ids, prompt_mask):
-      state, key = state.next_rng()
-      rollout = generate(state.model_params(), key, prompt_ids, prompt_mask)
+      from rljax.trainer.state import rollout_key
+      rollout = generate(state.model_params(), rollout_key(state.rng, state.step), prompt_ids, prompt_mask)
       return update(state, rollout.with_rewards(*stand_in_rewards(rollout, run.components)))
 
     return step, (inputs.state, inputs.prompt_ids, inputs.prompt_mask), donate

@@ -6,9 +6,10 @@ chip, driven as one "megacore" device) and chips for v5e and v6e:
     v5p-8  -> v5p:2x2x1,  4 chips      v5p-16 -> v5p:2x2x2,  8 chips     v5p-32 -> v5p:2x2x4, 16 chips
     v4-8   -> v4:2x2x1,   4 chips      v5e-8  -> v5e:2x4,    8 chips     v6e-8  -> v6e:2x4,    8 chips
 
-A raw topology (`v5p:2x2x2`) is accepted as is, and `cpu:N` compiles for N simulated CPU
-devices. TPU topologies need `libtpu` (`pip install rljax[tpu]`); nothing runs on a chip, the
-TPU compiler only builds the program (`jax.experimental.topologies`).
+A raw topology (`v5p:2x2x2`) is accepted as is, `cpu:N` compiles for N simulated CPU devices,
+and `gpu:N` for the first N GPUs of this machine (XLA's GPU compiler; nothing runs on them). TPU
+topologies need `libtpu` (`pip install rljax[tpu]`); nothing runs on a chip, the TPU compiler only
+builds the program (`jax.experimental.topologies`).
 """
 from __future__ import annotations
 
@@ -33,17 +34,17 @@ _SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e"}
 
 ACCEPTED = ("v5p-8, v5p-16, v5p-32, ... (TensorCores), v4-8, ... (TensorCores), v5e-8, v6e-8, ... (chips), "
-            "a raw topology such as v5p:2x2x2, or cpu:N (N simulated CPU devices)")
+            "a raw topology such as v5p:2x2x2, cpu:N (N simulated CPU devices), or gpu:N (this machine's GPUs)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
   """A compile target.
 
-  name: as the user gave it; platform: "tpu" or "cpu"; generation: "v5p", ... or "cpu";
-  shape: the libtpu topology ("2x2x1"), "" for cpu; chips: devices in the mesh (one per chip: v4
-  and v5p run as megacore); hbm_bytes: memory per chip the plan is checked against (None for cpu
-  unless given with --hbm-gib).
+  name: as the user gave it; platform: "tpu", "cpu" or "gpu"; generation: "v5p", ..., "cpu", or the
+  GPU's device kind; shape: the libtpu topology ("2x2x1"), "" for cpu and gpu; chips: devices in the
+  mesh (one per chip: v4 and v5p run as megacore); hbm_bytes: memory per chip the plan is checked
+  against (None for cpu unless given with --hbm-gib; for gpu what XLA's allocator may use on it).
   """
   name: str
   platform: str
@@ -59,6 +60,9 @@ class Topology:
   def describe(self) -> str:
     if self.platform == "cpu":
       return f"{self.chips} simulated CPU devices"
+    if self.platform == "gpu":
+      mem = f", {self.hbm_bytes / GIB:.2f} GiB for XLA each" if self.hbm_bytes else ""
+      return f"{self.chips} x {self.generation} (this machine's GPUs){mem}"
     hbm = f", {self.hbm_bytes / GIB:.2f} GiB HBM each" if self.hbm_bytes else ""
     return f"{self.libtpu_name}, {self.chips} chips{hbm}"
 
@@ -70,9 +74,11 @@ class Topology:
     return dataclasses.replace(self, hbm_bytes=int(hbm_gib * GIB))
 
   def devices(self) -> list:
-    """The devices to build the mesh from: compile-only TPU devices, or the first N CPU devices."""
+    """The devices to build the mesh from: compile-only TPU devices, or the first N CPU or GPU devices."""
     if self.platform == "cpu":
       return cpu_devices(self.chips)
+    if self.platform == "gpu":
+      return gpu_devices(self.name, self.chips)
     return tpu_devices(self)
 
 
@@ -85,6 +91,9 @@ def parse_topology(name: str) -> Topology:
     if n < 1:
       raise ConfigError(f"--topology={name!r}: cpu:N needs N >= 1 simulated devices.")
     return Topology(name, "cpu", "cpu", "", n, None)
+  m = re.fullmatch(r"gpu:(\d+)", text)
+  if m:
+    return gpu_topology(name, int(m.group(1)))
   m = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", text)
   if m:
     gen, count = _ALIASES.get(m.group(1), m.group(1)), int(m.group(2))
@@ -173,6 +182,34 @@ def cpu_devices(n: int) -> list:
   return devices[:n]
 
 
+def gpu_devices(name: str, n: int) -> list:
+  """The first n GPUs jax sees; a ConfigError naming --topology when it sees fewer."""
+  import jax
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError as e:
+    raise ConfigError(f"--topology={name!r} compiles for this machine's GPUs, but jax finds none ({str(e)[:200]}); "
+                      "`rljax plan` keeps jax on the CPU unless JAX_PLATFORMS is set: run it with "
+                      "JAX_PLATFORMS=cuda.") from None
+  if len(devices) < n:
+    raise ConfigError(f"--topology={name!r} needs {n} GPUs; jax sees {len(devices)} here.")
+  return devices[:n]
+
+
+def gpu_topology(name: str, n: int) -> Topology:
+  """`gpu:N`: the first N GPUs of this machine, compiled for by XLA's GPU compiler (nothing runs on
+  them), checked against the memory XLA's allocator may use on one (its `bytes_limit`:
+  XLA_PYTHON_CLIENT_MEM_FRACTION of the card, 0.75 unless set). Starts jax's GPU backend."""
+  if n < 1:
+    raise ConfigError(f"--topology={name!r}: gpu:N needs N >= 1 GPUs.")
+  device = gpu_devices(name, n)[0]
+  try:
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+  except Exception:  # noqa: BLE001 - a runtime without memory stats: no limit to check against
+    limit = None
+  return Topology(name, "gpu", device.device_kind, "", n, int(limit) if limit else None)
+
+
 def backends_started() -> bool:
   """Whether jax has started its backends (after which the platforms and CPU device count are fixed).
 
@@ -190,6 +227,8 @@ def next_larger(topo: Topology) -> str | None:
   """The accelerator-type name of the next larger slice of the same generation (for suggestions)."""
   if topo.platform == "cpu":
     return f"cpu:{topo.chips * 2}"
+  if topo.platform == "gpu":   # this machine's GPUs: no larger slice to suggest
+    return None
   shapes = _SHAPES_3D if topo.generation in ("v4", "v5p") else _SHAPES_2D
   bigger = [c for c in shapes if c > topo.chips]
   if not bigger:

@@ -84,6 +84,29 @@ class Verifier:
                           f"it accepts {sorted(accepted) or 'none'}.")
 
 
+  def check_signature(self, kwargs: Mapping[str, Any], where: str) -> None:
+    """Raises ConfigError when the verifier cannot be called the way the pool calls it:
+    fn(completion(s), example(s), **kwargs) plus num_tokens/step when it names them."""
+    try:
+      sig = inspect.signature(self.fn)
+    except (TypeError, ValueError):
+      return  # a builtin or extension without a signature: its first call tells
+    extra = dict(kwargs)
+    for name in ("num_tokens", "step"):
+      if name in sig.parameters:
+        extra[name] = None
+    first, second = {"item": ("completion", "example"), "group": ("completions", "example"),
+                     "batch": ("completions", "examples")}[self.kind]
+    try:
+      sig.bind(first, second, **extra)
+    except TypeError as e:
+      raise ConfigError(
+          f"{where}: verifier '{self.name}' cannot be called as {getattr(self.fn, '__name__', 'fn')}({first}, "
+          f"{second}{', **kwargs' if kwargs else ''}) ({e}); the signature is {self.fn.__name__}{sig}. A "
+          f"{self.kind} verifier takes the {first} and the {second} as its first two positional parameters, e.g. "
+          f"def my_check({first}, {second}, **kwargs).") from None
+
+
 def _param_names(fn: Callable[..., Any]) -> set[str]:
   try:
     return set(inspect.signature(fn).parameters)

@@ -380,7 +380,8 @@ def _pieces(tokens):
 
 
 _SUMMED = ("verifier/timeouts", "verifier/errors", "verifier/crashes", "verifier/deadline_misses",
-           "verifier/restarts", "verifier/failures")
+           "verifier/restarts", "verifier/recycles", "verifier/info_errors", "verifier/import_timeouts",
+           "verifier/failures")
 
 
 def _summary(batch: RewardBatch | None, rewards: np.ndarray | None) -> dict:

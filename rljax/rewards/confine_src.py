@@ -67,14 +67,35 @@ def _build_root(libc, plan):
       os.makedirs(dst, exist_ok=True)
       _mount(libc, src, dst, None, _MS_BIND | _MS_REC)
       _readonly(libc, dst)
-  scratch = f"size={plan['tmp_mb']}m,mode=1777"
-  os.mkdir(new + "/tmp")
-  _mount(libc, "tmpfs", new + "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
-  os.mkdir(new + "/sandbox")
-  _mount(libc, plan["work"], new + "/sandbox", None, _MS_BIND)
+  # Everything the program can write (/sandbox, /tmp, /dev/shm) is one tmpfs of disk_mb: bound
+  # into place, then its own mount point is dropped. It lives in this mount namespace only and
+  # is gone with it, whatever the program did to the modes of what it wrote.
+  rw = new + "/.rw"
+  os.mkdir(rw)
+  _mount(libc, "tmpfs", rw, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={plan['disk_mb']}m,mode=755")
+  for name, mode in (("sandbox", 0o700), ("tmp", 0o1777), ("shm", 0o1777)):
+    os.mkdir(f"{rw}/{name}")
+    os.chmod(f"{rw}/{name}", mode)
+  for name in os.listdir(plan["work"]):  # the program and its files, staged by the caller
+    src = os.path.join(plan["work"], name)
+    if os.path.isfile(src) and not os.path.islink(src):
+      with open(src, "rb") as f, open(f"{rw}/sandbox/{name}", "wb") as g:
+        g.write(f.read())
+      if plan["uid"] is not None:
+        os.chown(f"{rw}/sandbox/{name}", plan["uid"], plan["uid"])
+  if plan["uid"] is not None:
+    os.chown(f"{rw}/sandbox", plan["uid"], plan["uid"])
   dev = new + "/dev"
   os.mkdir(dev)
   _mount(libc, "tmpfs", dev, "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,mode=755")
+  os.mkdir(dev + "/shm")
+  for name, dst in (("sandbox", new + "/sandbox"), ("tmp", new + "/tmp"), ("shm", dev + "/shm")):
+    if name != "shm":
+      os.mkdir(dst)
+    _mount(libc, f"{rw}/{name}", dst, None, _MS_BIND)
+    _mount(libc, None, dst, None, _MS_REMOUNT | _MS_BIND | _MS_NOSUID | _MS_NODEV)
+  _ok(libc.umount2(rw.encode(), 2), "umount the writable tmpfs's mount point")  # MNT_DETACH
+  os.rmdir(rw)
   for name in _DEVICES:
     if os.path.exists("/dev/" + name):
       open(f"{dev}/{name}", "w").close()
@@ -82,8 +103,6 @@ def _build_root(libc, plan):
   for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                        ("stderr", "/proc/self/fd/2")):
     os.symlink(target, f"{dev}/{name}")
-  os.mkdir(dev + "/shm")
-  _mount(libc, "tmpfs", dev + "/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
   os.mkdir(new + "/proc")
   try:
     _mount(libc, "proc", new + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)

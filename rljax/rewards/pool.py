@@ -6,8 +6,16 @@ crash or leak into the caller.
       out.rewards, out.components, out.metrics
 
 Guarantees (with num_workers > 0):
+  * items cannot see each other: a worker whose process state an item changed (fds, cwd,
+    environment, threads, timers, signals, rlimits, ids, memory growth; rljax/rewards/procstate.py)
+    is replaced by a fresh fork of the zygote before its next item (verifier/recycles);
+  * containment: the zygote is the init of a PID namespace and each worker runs under the init
+    of its own (where the kernel allows; see rljax/rewards/zygote.py), so everything a verifier
+    starts ends with its item, and everything the pool started ends with close();
+  * a supervised zygote: a dead, stopped or silent zygote is replaced;
   * per-item timeout: a verifier call running past timeout_s (times its number of items
-    for group/batch verifiers) is killed with its worker, which is replaced;
+    for group/batch verifiers) is killed with its worker, which is replaced; a timeout during
+    an import the zygote did not preload says so (verifier/import_timeouts);
   * per-batch deadline: `score` returns within about batch_deadline_s, items left
     unscored get the fallback;
   * crash isolation: a worker that dies (segfault, os._exit, OOM kill) is replaced and
@@ -16,9 +24,10 @@ Guarantees (with num_workers > 0):
     its worker again counts as a crash;
   * bounded memory: each worker has RLIMIT_AS = max_memory_mb;
   * bad results: a score that is not finite in float32, or an info dict that metrics
-    cannot average, is an error of that item (never an exception in `score`);
-  * no leaks: a verifier's processes (setsid'd daemons too) are killed when its item
-    ends; close() kills the workers, their processes and the zygote.
+    cannot average, is an error of that item (never an exception in `score`); info values
+    that are not plain data are dropped (verifier/info_errors), the score is kept;
+  * replies are plain data (JSON, at most wire.MAX_REPLY bytes), decoded within a time budget
+    per poll round: nothing a worker sends runs code in this process.
 Every failure is counted in the metrics (verifier/timeouts, verifier/errors,
 verifier/crashes, verifier/deadline_misses) and the first error messages are logged.
 
@@ -31,12 +40,9 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import logging
 import math
 import os
-import select
-import signal
 import threading
 import time
 import weakref
@@ -45,42 +51,21 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rljax.errors import ConfigError
-from rljax.rewards import sandbox
+from rljax.rewards import sandbox, wire
 from rljax.rewards.base import FLOAT32_MAX, Verifier
 from rljax.rewards.compose import RewardBatch, batch_metrics, combine
 from rljax.rewards.spec import RewardSpec
-from rljax.rewards.processes import Channel as _Channel, Lost as _Lost, Zygote as _Zygote
+from rljax.rewards.processes import Zygote as _Zygote, ZygoteLost as _ZygoteLost
+from rljax.rewards.schedule import RemoteRun, Task, Worker
 from rljax.rewards.worker import call_verifier, describe_exception
 
 log = logging.getLogger("rljax.rewards")
 
 _MAX_BATCH_ERRORS = 20
 _LABELS = {"timeouts": "timeout", "errors": "error", "crashes": "crash", "deadline_misses": "deadline"}
-_MAX_CHUNK = 8       # tasks per message to a worker
-_REFILL_BELOW = 2    # send a worker more tasks once it has at most this many queued
-
-
-@dataclasses.dataclass
-class _Task:
-  tid: int
-  comp: int
-  items: list[int]
-  timeout: float
-  solo: bool = False  # re-run alone after its worker died with the zygote
-
-
-@dataclasses.dataclass
-class _Worker:
-  wid: int
-  uid: int | None
-  pid: int = 0
-  conn: _Channel | None = None
-  queue: collections.deque = dataclasses.field(default_factory=collections.deque)
-  deadline: float = 0.0
-
-  @property
-  def alive(self) -> bool:
-    return self.conn is not None
+COUNTERS = ("timeouts", "errors", "crashes", "deadline_misses", "restarts", "recycles", "info_errors",
+            "import_timeouts")
+_ZYGOTE_RESTARTS_PER_BATCH = 3
 
 
 class RewardPool:
@@ -96,10 +81,11 @@ class RewardPool:
     self._lock = threading.RLock()
     self._owner = os.getpid()
     self._zygote: _Zygote | None = None
-    self._workers: list[_Worker] = []
+    self._workers: list[Worker] = []
     self._next_tid = 0
     self._logged = 0
     self._closed = False
+    self._recycle_reasons: set[str] = set()
     self.totals: collections.Counter = collections.Counter()
     self._remote_needed = spec.num_workers > 0 and any(not v.inline for v in self.verifiers)
     if any(v.warmup is sandbox.isolation for v in self.verifiers):
@@ -107,8 +93,8 @@ class RewardPool:
     _LIVE_POOLS.add(self)
     if self._remote_needed:
       try:
-        self._zygote = _Zygote(self._remote_components(), spec.max_memory_mb)
-        self._workers = [_Worker(wid=i, uid=self._new_uid()) for i in range(spec.num_workers)]
+        self._zygote = self._new_zygote()
+        self._workers = [Worker(wid=i, uid=self._new_uid()) for i in range(spec.num_workers)]
         for w in self._workers:
           self._spawn(w)
       except BaseException:
@@ -125,6 +111,31 @@ class RewardPool:
 
   def _remote_components(self) -> list[tuple[Verifier, dict[str, Any]]]:
     return [(v, dict(c.kwargs)) for v, c in zip(self.verifiers, self.spec.components)]
+
+  def _new_zygote(self) -> _Zygote:
+    z = _Zygote(self._remote_components(), self.spec.max_memory_mb)
+    if z.containment != "pid-namespace" and not self.totals["zygote_restarts"]:
+      log.warning("verifier pool without PID namespaces (%s): workers fall back to sweeping their descendants, "
+                  "which a process that leaves the tree can escape (docs/rewards.md)", z.note)
+    return z
+
+  @property
+  def containment(self) -> str | None:
+    """How the pool contains its processes: 'pid-namespace', 'subreaper' or None (no workers)."""
+    return self._zygote.containment if self._zygote is not None else None
+
+  def process_ids(self) -> set[int]:
+    """The pids of the pool's own processes (the zygote's launcher, the zygote, live workers)."""
+    pids = set().union(*[w.proc.pids() for w in self._workers if w.alive])
+    if self._zygote is not None:
+      pids |= {self._zygote.proc.pid, self._zygote.pid}
+    return pids
+
+  def _rss_mb(self) -> float:
+    """How far a worker's resident memory may grow before it is replaced: a quarter of what the
+    memory limit leaves after the zygote's own mappings, between 32 and 256 MB."""
+    headroom = self.spec.max_memory_mb - self._zygote.address_space_mb
+    return float(min(256.0, max(32.0, headroom / 4)))
 
   # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -159,49 +170,54 @@ class RewardPool:
   def _new_uid() -> int | None:
     return sandbox.allocate_uid() if os.geteuid() == 0 else None
 
-  def _spawn(self, w: _Worker) -> None:
-    assert self._zygote is not None
-    try:
-      w.pid, w.conn = self._zygote.spawn(w.wid, w.uid)
-    except (RuntimeError, OSError) as e:
-      if self._zygote.alive():
-        raise
-      log.warning("verifier zygote died (%s); restarting it", e)
-      self._restart_zygote()
-      w.pid, w.conn = self._zygote.spawn(w.wid, w.uid)
+  def _supervise(self) -> None:
+    """Replaces a zygote that is dead or stopped (checked before every batch: it costs a read
+    of /proc/<pid>/stat), or starts one where an earlier replacement failed."""
+    state = self._zygote.state() if self._zygote is not None else "missing"
+    if state != "running":
+      self._restart_zygote(f"it is {state}")
+
+  def _spawn(self, w: Worker) -> None:
+    """Starts w; a zygote that is dead, stopped or silent is replaced (a few times per batch)."""
+    for attempt in range(_ZYGOTE_RESTARTS_PER_BATCH + 1):
+      try:
+        if self._zygote is None:
+          raise _ZygoteLost("no verifier zygote (an earlier replacement failed)")
+        w.proc = self._zygote.spawn(w.wid, w.uid, self._rss_mb())
+        break
+      except _ZygoteLost as e:
+        if attempt == _ZYGOTE_RESTARTS_PER_BATCH:
+          raise
+        self._restart_zygote(str(e))
     w.queue.clear()
+    w.imports = []
 
-  def _restart_zygote(self) -> None:
-    old = self._zygote
+  def _restart_zygote(self, why: str) -> None:
+    """Replaces the zygote; its workers end with it (their queues stay, for the batch to requeue)."""
+    log.warning("verifier zygote replaced: %s", why)
+    old, self._zygote = self._zygote, None
+    for w in self._workers:
+      if w.alive:
+        self._kill(w, "its zygote was replaced")
     if old is not None:
-      try:
-        old.close()
-      except Exception:  # noqa: BLE001
-        pass
-    self._zygote = _Zygote(self._remote_components(), self.spec.max_memory_mb)
+      old.terminate()
+    self._zygote = self._new_zygote()
     self.totals["zygote_restarts"] += 1
-    # Workers of the old zygote died with it (PDEATHSIG); _run_remote re-ran their items alone.
 
-  def _kill(self, w: _Worker, reason: str | None) -> None:
-    """SIGKILLs a worker's process group now and asks the zygote to kill its sandbox uid."""
-    for kill in (os.killpg, os.kill):
-      try:
-        kill(w.pid, signal.SIGKILL)
-      except (ProcessLookupError, PermissionError):
-        pass
+  def _kill(self, w: Worker, reason: str | None) -> None:
+    """SIGKILLs a worker now and asks the zygote to reap it and clean up after it."""
+    w.proc.kill()
     if self._zygote is not None and self._zygote.alive():
-      self._zygote.kill(w.pid, w.uid)
-    else:  # nobody else is left to kill what runs as the worker's sandbox uid
+      self._zygote.kill(w.proc, w.uid)
+    elif w.proc.containment != "pid-namespace":  # nobody else is left to kill what runs as its sandbox uid
       sandbox.kill_uid(w.uid)
-    if w.conn is not None:
-      w.conn.close()
-    w.conn = None
-    w.uid = self._new_uid()  # a fresh uid: stragglers of the old one cannot touch the new worker
     if reason:
-      log.debug("killed verifier worker %d: %s", w.pid, reason)
+      log.debug("killed verifier worker %d: %s", w.proc.pid, reason)
+    w.proc.close()
+    w.proc = None
+    w.uid = self._new_uid()  # a fresh uid: stragglers of the old one cannot touch the new worker
 
   # ---- scoring -----------------------------------------------------------------------------
-
   def score(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]], *,
             num_tokens: Sequence[int] | np.ndarray | None = None, group_size: int = 1, step: int = 0) -> RewardBatch:
     """Scores N completions.
@@ -250,7 +266,17 @@ class RewardPool:
     counts: collections.Counter = collections.Counter()
     errors: list[str] = []
 
-    def record(task: _Task, results=None, error: str | None = None, kind: str = "errors") -> None:
+    def note(task: Task, kind: str, message: str) -> None:
+      """Counts and logs a problem of a task that does not fail it."""
+      counts[kind] += 1
+      msg = f"[{spec.components[task.comp].name}] {message}"
+      if len(errors) < _MAX_BATCH_ERRORS:
+        errors.append(msg)
+      if self._logged < spec.max_logged_errors:
+        self._logged += 1
+        log.warning("reward verifier (item %d): %s", task.items[0], msg)
+
+    def record(task: Task, results=None, error: str | None = None, kind: str = "errors") -> None:
       if error is None and results is not None:
         error = _bad_results(results, len(task.items))
       if error is None and results is not None:
@@ -273,8 +299,13 @@ class RewardPool:
         log.warning("reward verifier failure (item %d): %s%s", task.items[0], msg,
                     "" if self._logged < spec.max_logged_errors else " (further failures are only counted)")
 
-    tasks: list[_Task] = []
-    local: list[_Task] = []
+    if self._remote_needed:
+      try:
+        self._supervise()
+      except Exception as e:  # noqa: BLE001 - the batch's items then fail as "no worker could be started"
+        log.error("cannot start a verifier zygote: %s", e)
+    tasks: list[Task] = []
+    local: list[Task] = []
     for ci, v in enumerate(self.verifiers):
       if v.kind == "item":
         groups = [[i] for i in range(n)]
@@ -283,19 +314,20 @@ class RewardPool:
       else:
         groups = [list(range(n))] if n else []
       for items in groups:
-        t = _Task(self._next_tid, ci, items, spec.timeout_s * len(items))
+        t = Task(self._next_tid, ci, items, spec.timeout_s * len(items))
         self._next_tid += 1
         (local if (v.inline or not self._remote_needed) else tasks).append(t)
 
     for t in local:
-      self._run_local(t, completions, examples, tokens, step, record)
+      self._run_local(t, completions, examples, tokens, step, record, note)
     if tasks:
-      self._run_remote(tasks, completions, examples, tokens, step, record, counts, start + spec.batch_deadline_s)
+      RemoteRun(self, tasks, lambda t: self._payload(t, completions, examples, tokens, step), record, note, counts,
+                start + spec.batch_deadline_s).run()
 
     rewards, passed = combine(spec, scores, failed, step)
     metrics = batch_metrics(spec, rewards, scores, passed, infos, step)
     elapsed = time.monotonic() - start
-    for key in ("timeouts", "errors", "crashes", "deadline_misses", "restarts"):
+    for key in COUNTERS:
       metrics[f"verifier/{key}"] = float(counts[key])
       self.totals[key] += counts[key]
     metrics["verifier/failures"] = float(failed.sum())
@@ -310,153 +342,31 @@ class RewardPool:
                        failed={c.name: failed[i].copy() for i, c in enumerate(spec.components)},
                        infos={c.name: infos[i] for i, c in enumerate(spec.components)})
 
-  def _payload(self, t: _Task, completions, examples, tokens, step) -> tuple:
+  def _payload(self, t: Task, completions, examples, tokens, step) -> tuple:
     return (t.tid, t.comp, [completions[i] for i in t.items], [examples[i] for i in t.items],
             None if tokens is None else [tokens[i] for i in t.items], step)
 
-  def _run_local(self, t: _Task, completions, examples, tokens, step, record) -> None:
+  def _run_local(self, t: Task, completions, examples, tokens, step, record, note) -> None:
     _, comp, cs, exs, toks, _ = self._payload(t, completions, examples, tokens, step)
     try:
       results = call_verifier(self.verifiers[comp], dict(self.spec.components[comp].kwargs), cs, exs, toks, step)
     except Exception as e:  # noqa: BLE001
       record(t, error=describe_exception(e))
       return
+    dropped: list[str] = []  # the same plain-data rule as for workers' replies
+    results = [(s, None if info is None else _plain_info(info, dropped)) for s, info in results]
+    if dropped:
+      note(t, "info_errors", "info values dropped: " + "; ".join(dropped[:5]))
     record(t, results)
 
-  def _run_remote(self, tasks: list[_Task], completions, examples, tokens, step, record, counts,
-                  deadline: float) -> None:
-    pending = collections.deque(tasks)
-    suspects: collections.deque = collections.deque()  # items of workers that died with the zygote
-    workers = self._workers
 
-    def lose(w: _Worker, kind: str, message: str) -> None:
-      """The worker failed on its current task: kill it, requeue the rest. A crash that
-      comes with the zygote's death convicts nobody yet: every worker died with the zygote,
-      and the task each was running is re-run alone."""
-      with_zygote = kind == "crashes" and self._zygote is not None and not self._zygote.alive()
-      victims = [w] + ([v for v in workers if v is not w and v.alive] if with_zygote else [])
-      for v in victims:
-        head = v.queue.popleft() if v.queue else None
-        rest = list(v.queue)
-        v.queue.clear()
-        self._kill(v, message if v is w else "died with the zygote")
-        pending.extendleft(reversed(rest))
-        if head is None:
-          continue
-        if with_zygote and not head.solo:
-          head.solo = True
-          suspects.append(head)
-        else:
-          record(head, error=f"{message}; run alone, it took the zygote down" if with_zygote else message,
-                 kind=kind)
-
-    def dispatch(w: _Worker, chunk: list[_Task]) -> bool:
-      if w.alive and not w.queue and w.conn.hung_up():
-        self._kill(w, "worker exited while idle")
-      if not w.alive:
-        try:
-          self._spawn(w)
-        except Exception as e:  # noqa: BLE001 - counted below as items that could not run
-          log.error("cannot start a verifier worker: %s", e)
-          return False
-        counts["restarts"] += 1
-      w.conn.queue([self._payload(t, completions, examples, tokens, step) for t in chunk])
-      if not w.queue:
-        w.deadline = time.monotonic() + chunk[0].timeout
-      w.queue.extend(chunk)
-      return True
-
-    while pending or suspects or any(w.queue for w in workers):
-      if time.monotonic() >= deadline:
-        break
-      if suspects or any(t.solo for w in workers for t in w.queue):
-        # One suspect at a time, on an otherwise idle pool, so that a second death is its own.
-        if suspects and not any(w.queue for w in workers):
-          t = suspects.popleft()
-          if not any(dispatch(w, [t]) for w in workers):
-            record(t, error="no verifier worker could be started", kind="crashes")
-      else:
-        for w in workers:  # top up workers' queues, so they never wait for the next chunk
-          if len(w.queue) > _REFILL_BELOW or not pending:
-            continue
-          size = max(1, min(_MAX_CHUNK, len(pending) // (2 * len(workers))))
-          chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
-          if not dispatch(w, chunk):
-            pending.extendleft(reversed(chunk))
-      busy = [w for w in workers if w.queue]
-      if not busy:
-        if (pending or suspects) and not any(w.alive for w in workers):
-          # No worker could be started: fail what is left rather than spin.
-          for t in [*pending, *suspects]:
-            record(t, error="no verifier worker could be started", kind="crashes")
-          pending.clear()
-          suspects.clear()
-        continue
-      for w in busy:
-        try:
-          w.conn.flush()
-        except _Lost as e:
-          lose(w, "crashes", f"worker process died ({e})")
-      busy = [w for w in busy if w.alive]
-      wake = min([w.deadline for w in busy] + [deadline])
-      poller = select.poll()
-      for w in busy:
-        poller.register(w.conn.fileno(), select.POLLIN | (select.POLLOUT if w.conn.outbox else 0))
-      ready = {fd for fd, _ in poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000)))}
-      for w in busy:
-        if w.alive and w.conn.fileno() in ready:
-          self._drain(w, record, lose, pending)
-      now = time.monotonic()
-      for w in workers:
-        if w.queue and now >= w.deadline:
-          lose(w, "timeouts", f"timed out after {w.queue[0].timeout:.1f}s")
-
-    # Batch deadline: whatever is unfinished gets the fallback.
-    missed = f"batch deadline of {self.spec.batch_deadline_s:.0f}s passed"
-    for w in workers:
-      if w.queue:
-        while w.queue:
-          record(w.queue.popleft(), error=missed, kind="deadline_misses")
-        self._kill(w, "batch deadline")
-    for t in [*pending, *suspects]:
-      record(t, error=missed, kind="deadline_misses")
-
-  def _drain(self, w: _Worker, record, lose, pending: collections.deque) -> None:
-    """Handles every complete reply the worker has sent, then its death if it died. Never
-    blocks: half a frame stays buffered until the rest comes or the task times out."""
-    replies, ended = w.conn.read()
-    for reply in replies:
-      if not w.queue:
-        lose(w, "crashes", "worker sent a reply nobody asked for")
-        return
-      head = w.queue[0]
-      if not (isinstance(reply, tuple) and len(reply) == 4 and reply[0] == head.tid):
-        lose(w, "crashes", "worker protocol out of sync")
-        return
-      w.queue.popleft()
-      _, status, value, retire = reply
-      if status == "ok":
-        record(head, value)
-      else:
-        record(head, error=str(value), kind="errors")
-      if retire:  # the worker exits after a MemoryError; give its other tasks to others
-        pending.extendleft(reversed(list(w.queue)))
-        w.queue.clear()
-        self._kill(w, "retired after MemoryError")
-        return
-      if w.queue:
-        w.deadline = time.monotonic() + w.queue[0].timeout
-    if ended is not None and w.alive:
-      if w.queue and ended.startswith("corrupt"):
-        lose(w, "crashes", f"worker wrote a {ended} onto its socket")
-      elif w.queue:
-        lose(w, "crashes", f"worker process died ({ended}; e.g. a segfault, os._exit or the kernel's OOM killer)")
-      else:
-        self._kill(w, f"worker exited ({ended})")
+def _plain_info(info: dict, dropped: list[str]) -> dict | None:
+  out = wire.plain(info, "info", dropped)
+  return out if isinstance(out, dict) else None
 
 
 def _bad_results(results: Any, n: int) -> str | None:
-  """Why a worker's results for n items are unusable (None when they are fine)."""
+  """Why results for n items are unusable (None when they are fine)."""
   if not isinstance(results, list) or len(results) != n:
     return f"malformed reply: expected {n} results"
   for r in results:

@@ -1,14 +1,16 @@
 """Running untrusted Python code in a subprocess sandbox (no cgroups, no containers).
 
-Each run gets a fresh temp dir (its cwd and HOME) and a fresh Python interpreter started
+Each run gets its own directory (its cwd and HOME) and a fresh Python interpreter started
 with -I -S -B, with:
   * resource limits: CPU time, address space, processes, file size, open files, no core;
   * its own session (process group), SIGKILLed as a whole on timeout;
   * namespaces, where the kernel allows them (as root, or without root through an
     unprivileged user namespace): a mount namespace whose root is a fresh tmpfs with only
     the system directories (/usr, /etc, /lib*, /bin, /sbin and the interpreter's prefix)
-    bound read-only, a private /tmp and /dev/shm, a minimal /dev and its own /proc; the
-    user's home, the project tree and the host's /tmp are not there at all. A new network
+    bound read-only, a minimal /dev and its own /proc, and one tmpfs of `disk_mb` holding all
+    it can write (its directory at /sandbox, a copy of the staged files, /tmp, /dev/shm), gone
+    with the mount namespace whatever modes the code set; the user's home, the project tree and
+    the host's /tmp are not there at all. A new network
     namespace (no network: 127.0.0.1 included) and a new PID namespace whose init ends the
     run: when it exits, the kernel kills every process left in it, setsid'd daemons too;
   * when running as root: a private, unused uid/gid (different per worker) with no
@@ -16,12 +18,14 @@ with -I -S -B, with:
     signal other processes, and RLIMIT_NPROC caps its processes; after the run every
     process of that uid is killed (kill(-1) as that uid);
   * no_new_privs (setuid binaries cannot raise privileges) and SIGKILL on parent death;
-  * stdout/stderr written to files capped by RLIMIT_FSIZE and read back truncated.
+  * stdin/stdout/stderr in memory files (memfd) capped by RLIMIT_FSIZE, read back truncated.
 
 Where no namespace can be created (e.g. a container whose seccomp profile forbids them, or
 kernel.unprivileged_userns_clone=0) the sandbox says so once, loudly, and falls back: as
 root to the uid switch and a network namespace alone, without root to the rlimits and the
-process-group kill only. `isolation().isolated` tells which; RewardSpec's
+process-group kill only; the code then writes into its staged directory on the host (per-file
+limit only), which `remove_tree` deletes whatever modes were set inside. `isolation().isolated`
+tells which; RewardSpec's
 `sandbox.require_isolation` turns the fallback into an error. docs/rewards.md has the
 table of what sandboxed code can and cannot do, with the test that checks each row.
 """
@@ -29,7 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import glob
 import json
 import logging
 import math
@@ -45,6 +48,7 @@ import time
 from typing import Any
 
 from rljax.rewards.confine_src import CONFINE_SRC
+from rljax.rewards.sandbox_files import memfile, read_capped, read_tail, remove_dirs_of, remove_tree  # noqa: F401
 
 log = logging.getLogger("rljax.rewards")
 
@@ -71,6 +75,7 @@ class SandboxLimits:
   max_processes: int = 16         # RLIMIT_NPROC (enforced for the private uid; see module doc)
   file_size_mb: int = 16          # RLIMIT_FSIZE: largest file (and stdout/stderr) the code can write
   open_files: int = 64            # RLIMIT_NOFILE
+  disk_mb: int = 64               # the run's tmpfs (its directory, /tmp and /dev/shm together)
   max_output_bytes: int = 1 << 16  # stdout/stderr kept per stream
   network: bool = False           # True: keep the host network (skip the network namespace)
 
@@ -115,6 +120,7 @@ _isolation: Isolation | None = None
 _isolation_lock = threading.Lock()
 _reap_orphans = False
 _WORKER_UID: int | None = None
+_WORKER_TAG: str | None = None
 
 
 def allocate_uid() -> int:
@@ -126,6 +132,16 @@ def set_worker_uid(uid: int | None) -> None:
   """Makes every sandbox run of this process use `uid` (set by pool workers)."""
   global _WORKER_UID
   _WORKER_UID = uid
+
+
+def set_worker_tag(tag: str | None) -> None:
+  """Names this process's sandbox dirs (a pool worker's; its zygote removes them when it dies)."""
+  global _WORKER_TAG
+  _WORKER_TAG = tag
+
+
+def _tag() -> str:
+  return _WORKER_TAG or str(os.getpid())
 
 
 def become_subreaper() -> bool:
@@ -182,7 +198,7 @@ def _binds(python: str) -> list[str]:
 def _plan(python: str, uid: int | None, limits: SandboxLimits, *, netns: bool, namespaces: bool,
           userns: bool, work: str = "", root: str = "") -> dict[str, Any]:
   return {"uid": uid, "rlimits": _rlimits(limits), "netns": netns, "namespaces": namespaces, "userns": userns,
-          "work": work, "root": root, "binds": _binds(python), "tmp_mb": max(4, 2 * int(limits.file_size_mb))}
+          "work": work, "root": root, "binds": _binds(python), "disk_mb": int(limits.disk_mb)}
 
 
 def _single_threaded() -> bool:
@@ -251,8 +267,8 @@ def _probe_run(python: str, uid: int | None, netns: bool, namespaces: bool = Fal
   except (OSError, subprocess.SubprocessError):
     return False
   finally:
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(work)
+    remove_tree(root)
   expected = [str(uid if uid is not None else os.getuid())]
   if namespaces:
     expected += ["2", _SANDBOX_HOME]
@@ -340,12 +356,6 @@ def kill_uid(uid: int | None) -> None:
     log.warning("sandbox: could not kill the processes of uid %d: %s", uid, e)
 
 
-def remove_dirs_of(pid: int) -> None:
-  """Removes the sandbox dirs left by process `pid` (a worker killed in the middle of a run)."""
-  for path in glob.glob(os.path.join(tempfile.gettempdir(), f"rljax-sbx-{pid}-*")):
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def reap_orphans(wait_s: float = 0.2) -> None:
   """Reaps re-parented orphans (pool workers are subreapers) until none are left or `wait_s` passes."""
   if not _reap_orphans:
@@ -360,18 +370,6 @@ def reap_orphans(wait_s: float = 0.2) -> None:
       if time.monotonic() > deadline:
         return
       time.sleep(0.002)
-
-
-def _read_capped(f, cap: int) -> tuple[str, bool]:
-  f.seek(0)
-  data = f.read(cap + 1)
-  return data[:cap].decode("utf-8", errors="replace"), len(data) > cap
-
-
-def _read_tail(f, size: int = 4096) -> str:
-  end = f.seek(0, os.SEEK_END)
-  f.seek(max(0, end - size))
-  return f.read(size).decode("utf-8", errors="replace")
 
 
 def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None, *,
@@ -392,36 +390,36 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
   if iso.uid_switch:
     uid = _WORKER_UID if _WORKER_UID is not None else allocate_uid()
   netns = iso.network_namespace and not limits.network
-  tmp = tempfile.mkdtemp(prefix=f"rljax-sbx-{os.getpid()}-")
-  root = tmp + ".root"  # the mount point of the private root (empty on the host)
+  # With namespaces `stage` only holds the program's files (ours, 0700); the program runs in a
+  # copy on its own tmpfs. Without, it is also the program's directory.
+  stage = tempfile.mkdtemp(prefix=f"rljax-sbx-{_tag()}-")
+  root = stage + ".root"  # the mount point of the private root (empty on the host)
   start = time.monotonic()
   proc = None
   try:
     for name, text in {"main.py": source, **(files or {})}.items():
-      path = os.path.join(tmp, os.path.basename(name))
+      path = os.path.join(stage, os.path.basename(name))
       with open(path, "w", encoding="utf-8") as f:
         f.write(text)
-      if uid is not None:
+      if uid is not None and not iso.namespaces:
         os.chown(path, uid, uid)
-    if uid is not None:
-      os.chown(tmp, uid, uid)
-    os.chmod(tmp, 0o700)
+    if uid is not None and not iso.namespaces:
+      os.chown(stage, uid, uid)
     if iso.namespaces:
       os.mkdir(root, 0o700)
       home, scratch = _SANDBOX_HOME, "/tmp"
     else:
-      home = scratch = tmp
+      home = scratch = stage
     plan = _plan(iso.python, uid, limits, netns=netns, namespaces=iso.namespaces, userns=iso.user_namespace,
-                 work=tmp, root=root)
-    # stdout/stderr/stdin live outside the program's directory listing: unlinked files.
-    with tempfile.TemporaryFile(dir=tmp) as fin, tempfile.TemporaryFile(dir=tmp) as fout, \
-        tempfile.TemporaryFile(dir=tmp) as ferr:
+                 work=stage, root=root)
+    # stdin/stdout/stderr are memory files (memfd; RLIMIT_FSIZE caps what the program writes).
+    with memfile("stdin") as fin, memfile("stdout") as fout, memfile("stderr") as ferr:
       fin.write(stdin.encode("utf-8", errors="replace"))
       fin.seek(0)
       timed_out = False
       try:
         proc = _popen([iso.python, "-I", "-S", "-B", "main.py"], plan, stdin=fin, stdout=fout, stderr=ferr,
-                      cwd=tmp, env=_env(home, scratch))
+                      cwd=stage, env=_env(home, scratch))
         try:
           proc.wait(timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
@@ -430,13 +428,13 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
         if proc is not None:
           _kill_tree(proc, uid)
       duration = time.monotonic() - start
-      out, t1 = _read_capped(fout, limits.max_output_bytes)
-      err, t2 = _read_capped(ferr, limits.max_output_bytes)
-      tail = _read_tail(fout)
+      out, t1 = read_capped(fout, limits.max_output_bytes)
+      err, t2 = read_capped(ferr, limits.max_output_bytes)
+      tail = read_tail(fout)
     return SandboxResult(returncode=None if timed_out else proc.returncode, stdout=out, stderr=err,
                          timed_out=timed_out, duration_s=duration, truncated=t1 or t2, stdout_tail=tail)
   finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(stage)
     if os.path.isdir(root):
       os.rmdir(root)
 

@@ -24,6 +24,7 @@ from rljax.rewards.base import Verifier, get_verifier
 
 WeightLike = float | int | Mapping[str, Any] | Callable[[int], float]
 SANDBOX_DEFAULTS = {"require_isolation": False}
+_MAX_SECONDS = 86400.0  # time limits above a day are a mistake (and inf would overflow the pool's deadlines)
 
 _SCHEDULE_FIELDS = {
     "constant": {"type", "value"},
@@ -209,8 +210,9 @@ class RewardSpec:
                         "{'name': 'correct', 'verifier': 'math', 'weight': 1.0}.")
     for key in ("timeout_s", "batch_deadline_s"):
       value = getattr(self, key)
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"rewards.{key} must be a positive number of seconds, got {value!r}.")
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < _MAX_SECONDS:
+        raise ConfigError(f"rewards.{key} must be a positive, finite number of seconds (at most a day), got "
+                          f"{value!r}.")
     if isinstance(self.fallback, bool) or not isinstance(self.fallback, (int, float)) or not math.isfinite(
         self.fallback):
       raise ConfigError(f"rewards.fallback must be a finite number, got {self.fallback!r}.")
@@ -248,6 +250,7 @@ class RewardSpec:
       raise ConfigError("rewards.components: more than one component has accuracy=True; flag at most one.")
     for i, (c, v) in enumerate(zip(self.components, self.resolve())):
       v.check_kwargs(c.kwargs, f"rewards.components[{i}] ('{c.name}').kwargs")
+      v.check_signature(c.kwargs, f"rewards.components[{i}] ('{c.name}')")
       check = getattr(v.fn, "check_config", None)
       if callable(check):
         try:

@@ -11,14 +11,13 @@ Orbax writes each step into `<step>.orbax-checkpoint-tmp-*` and renames it when
 complete, so a save interrupted at any point leaves the earlier steps intact; the
 leftover temporary directory is removed the next time a `Checkpointer` opens the
 directory for writing. Restores read the arrays onto whatever shardings the caller
-asks for, so a checkpoint saved on 8 devices restores on 1, and the reverse.
+asks for, so a checkpoint saved on 8 devices restores on 1, and the reverse. A latest
+checkpoint whose files were damaged afterwards (truncated arrays, corrupt metadata or
+extras) is skipped on resume with a warning, and set aside as `<step>.rljax-unreadable`.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import numbers
 import os
 import re
 import shutil
@@ -29,7 +28,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from rljax.errors import ConfigError, RljaxError
+from rljax.errors import ConfigError
+from rljax.trainer.checkpoint_parts import (CheckpointError, CheckpointUnreadable, KeepLastAndBest, as_abstract,
+                                            first_line, leaves_by_path, metric_value, sample_names, to_json)
 
 log = logging.getLogger(__name__)
 
@@ -42,121 +43,8 @@ EXTRAS_TOKENIZER = "tokenizer"         # what rljax.tokenizer.load_tokenizer acc
 _STATE, _EXTRAS, _FORMAT = "state", "extras", "format"
 _STEP_RE = re.compile(r"^(0|[1-9]\d*)$")   # orbax's default step directory names
 _REPLACED_SUFFIX = ".rljax-replaced"       # a step set aside while `save(force=True)` rewrites it
+_UNREADABLE_SUFFIX = ".rljax-unreadable"   # a step set aside because its files cannot be read
 _TMP_MARKER = ".orbax-checkpoint-tmp"
-
-
-class CheckpointError(RljaxError):
-  """A checkpoint directory is missing, empty, foreign, or does not match what is restored."""
-
-
-# ---- retention -------------------------------------------------------------------------------
-
-
-def _metric_value(metrics: Any, name: str | None) -> float | None:
-  """The finite numeric value of `metrics[name]`, or None (then the step is no candidate for best)."""
-  if name is None or not isinstance(metrics, Mapping):
-    return None
-  value = metrics.get(name)
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    return None
-  value = float(value)
-  return value if math.isfinite(value) else None
-
-
-@dataclasses.dataclass
-class _KeepLastAndBest:
-  """Orbax preservation policy: the `keep_last` highest steps, the `keep_best` best by a metric,
-  and always the checkpoint just saved (orbax appends it last)."""
-  keep_last: int
-  keep_best: int
-  best_metric: str | None
-  best_mode: str
-
-  def should_preserve(self, checkpoints, *, context=None) -> list[bool]:
-    del context
-    n = len(checkpoints)
-    keep = set(sorted(range(n), key=lambda i: checkpoints[i].step)[max(n - self.keep_last, 0):])
-    if n:
-      keep.add(n - 1)
-    scored = [(v, checkpoints[i].step, i) for i in range(n)
-              if (v := _metric_value(checkpoints[i].metrics, self.best_metric)) is not None]
-    if self.keep_best and scored:
-      sign = 1.0 if self.best_mode == "max" else -1.0
-      # Best first; ties go to the later step.
-      scored.sort(key=lambda t: (sign * t[0], t[1]), reverse=True)
-      keep.update(i for _, _, i in scored[:self.keep_best])
-    return [i in keep for i in range(n)]
-
-  def best_step(self, metrics_by_step: Mapping[int, Any]) -> int | None:
-    scored = [(v, step) for step, m in metrics_by_step.items()
-              if (v := _metric_value(m, self.best_metric)) is not None]
-    if not scored:
-      return None
-    sign = 1.0 if self.best_mode == "max" else -1.0
-    return max(scored, key=lambda t: (sign * t[0], t[1]))[1]
-
-
-# ---- JSON hygiene ----------------------------------------------------------------------------
-
-
-def _to_json(value: Any, where: str) -> Any:
-  """A deep copy of `value` made of JSON types (numpy/jax scalars become Python numbers).
-
-  Copying also means the caller may mutate its dicts while an async save is still writing.
-  """
-  if value is None or isinstance(value, (bool, str)):
-    return value
-  if isinstance(value, numbers.Integral):
-    return int(value)
-  if isinstance(value, numbers.Real):
-    return float(value)
-  if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
-    return _to_json(np.asarray(value).item(), where)
-  if isinstance(value, Mapping):
-    out = {}
-    for k, v in value.items():
-      if not isinstance(k, str):
-        raise CheckpointError(f"{where}: key {k!r} is a {type(k).__name__}; checkpoint extras and metrics are "
-                              "stored as JSON, whose keys must be strings. Convert the key with str().")
-      out[k] = _to_json(v, f"{where}[{k!r}]")
-    return out
-  if isinstance(value, (list, tuple)):
-    return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
-  raise CheckpointError(f"{where} is a {type(value).__name__}, which JSON cannot store; checkpoint extras and "
-                        "metrics must be dicts, lists, strings, numbers, booleans or None (arrays belong in the "
-                        "TrainState).")
-
-
-# ---- pytree helpers --------------------------------------------------------------------------
-
-
-def _key_str(k) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
-def _leaves_by_path(tree) -> dict[str, Any]:
-  """{"params.layers.attn.q_kernel": leaf, ...} with the dotted names orbax uses on disk."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {".".join(_key_str(k) for k in path): leaf for path, leaf in flat}
-
-
-def _as_abstract(tree, default_sharding=None):
-  """ShapeDtypeStructs (with a sharding) for every leaf of `tree` (arrays or ShapeDtypeStructs)."""
-  def one(x):
-    sharding = getattr(x, "sharding", None) or default_sharding
-    if sharding is None:
-      sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-  return jax.tree.map(one, tree)
-
-
-def _sample(names: Sequence[str], limit: int = 6) -> str:
-  names = sorted(names)
-  more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
-  return ", ".join(names[:limit]) + more
 
 
 # ---- the checkpointer ------------------------------------------------------------------------
@@ -194,11 +82,11 @@ class Checkpointer:
     if not read_only:
       self._recover_replaced()
       self._refuse_foreign_steps()
-    self._policy = _KeepLastAndBest(int(keep_last), int(keep_best), self.best_metric, best_mode)
+    self._policy = KeepLastAndBest(int(keep_last), int(keep_best), self.best_metric, best_mode)
     options = ocp.CheckpointManagerOptions(
         preservation_policy=self._policy,
         # Orbax writes `metrics` only when a best_fn is set; retention itself is `_policy`'s.
-        best_fn=lambda m: _metric_value(m, self.best_metric) or 0.0,
+        best_fn=lambda m: metric_value(m, self.best_metric) or 0.0,
         best_mode=best_mode,
         enable_async_checkpointing=async_save,
         create=not read_only,
@@ -274,9 +162,9 @@ class Checkpointer:
       raise CheckpointError(f"{self.directory} was opened read-only; open it with Checkpointer(..., "
                             "read_only=False) to save.")
     step = int(step)
-    extras = _to_json({} if extras is None else extras, "extras")
+    extras = to_json({} if extras is None else extras, "extras")
     # Always a dict: orbax warns on every save without metrics once a best_fn is set.
-    metrics = {} if metrics is None else _to_json(metrics, "metrics")
+    metrics = {} if metrics is None else to_json(metrics, "metrics")
     # Orbax waits for the previous save at the start of every save anyway; waiting here first
     # makes the on-disk step list below exact.
     self.wait()
@@ -342,7 +230,7 @@ class Checkpointer:
     foreign = [n for n in self._step_names() if not self._is_checkpoint(int(n))]
     if foreign:
       raise CheckpointError(
-          f"{self.directory} holds {_sample([os.path.join(self.directory, n) for n in foreign], 3)}, named like a "
+          f"{self.directory} holds {sample_names([os.path.join(self.directory, n) for n in foreign], 3)}, named like a "
           "checkpoint step but not an rljax checkpoint (no _CHECKPOINT_METADATA, state/ and format/). Checkpoint "
           "retention could delete it: move it out of the directory, or choose another checkpoint directory.")
 
@@ -364,9 +252,9 @@ class Checkpointer:
       hints.append("it holds only interrupted (incomplete) saves.")
     foreign = [n for n in entries if _STEP_RE.match(n)]
     if foreign:
-      hints.append(f"{_sample(foreign, 3)} are named like steps but are not rljax checkpoints "
+      hints.append(f"{sample_names(foreign, 3)} are named like steps but are not rljax checkpoints "
                    "(no _CHECKPOINT_METADATA, state/ and format/).")
-    return (f"no checkpoint in {d} (it holds {_sample(entries, 5)}). " + " ".join(hints)).strip()
+    return (f"no checkpoint in {d} (it holds {sample_names(entries, 5)}). " + " ".join(hints)).strip()
 
   def _resolve_step(self, step: int | None) -> int:
     if step is None:
@@ -386,13 +274,19 @@ class Checkpointer:
 
   def _saved_leaves(self, step: int) -> dict[str, Any]:
     """{dotted name: orbax ArrayMetadata} of the arrays saved in `step`."""
-    meta = self._mgr.item_metadata(step)[_STATE]
-    return _leaves_by_path(getattr(meta, "tree", meta))
+    try:
+      meta = self._mgr.item_metadata(step)[_STATE]
+    except Exception as e:  # orbax raises several types for a corrupt metadata file; name the checkpoint.
+      raise CheckpointUnreadable(f"could not read the array metadata of {self._step_dir(step)}: "
+                                 f"{type(e).__name__}: {e}") from e
+    if meta is None:
+      raise CheckpointUnreadable(f"{self._step_dir(step)} has no readable array metadata")
+    return leaves_by_path(getattr(meta, "tree", meta))
 
   def _check_target(self, step: int, target, *, allow_unused: Sequence[str] = ()) -> bool:
     """Checks `target` against what `step` holds; returns whether the checkpoint has leaves `target` drops."""
     saved = self._saved_leaves(step)
-    want = _leaves_by_path(target)
+    want = leaves_by_path(target)
     where = self._step_dir(step)
     missing = [k for k in want if k not in saved]
     if missing:
@@ -400,12 +294,12 @@ class Checkpointer:
       if any(k.startswith("ref_params.") for k in missing):
         fix = (" The checkpoint was saved without reference parameters (KL coefficient 0): restore with "
                "abstract_state.replace(ref_params=None) and rebuild the reference from the base model.")
-      raise CheckpointError(f"{where} has no {_sample(missing)}; the state to restore does not match the saved one "
+      raise CheckpointError(f"{where} has no {sample_names(missing)}; the state to restore does not match the saved one "
                             f"(different model, optimizer or settings?).{fix}")
     unused = [k for k in saved if k not in want]
     bad_unused = [k for k in unused if not any(k.startswith(p) for p in allow_unused)]
     if bad_unused:
-      raise CheckpointError(f"{where} holds {_sample(bad_unused)}, which the state to restore lacks (different "
+      raise CheckpointError(f"{where} holds {sample_names(bad_unused)}, which the state to restore lacks (different "
                             "model or optimizer?). Restore with the abstract state of the run that saved it.")
     mismatched = [f"{k}: saved {tuple(saved[k].shape)} {np.dtype(saved[k].dtype).name}, expected "
                   f"{tuple(want[k].shape)} {np.dtype(want[k].dtype).name}"
@@ -424,21 +318,65 @@ class Checkpointer:
     try:
       return self._mgr.restore(step, args=ocp.args.Composite(**{_STATE: args}))[_STATE]
     except Exception as e:  # orbax/tensorstore errors vary by version; name the checkpoint.
-      raise CheckpointError(f"could not read the arrays of {self._step_dir(step)}: {type(e).__name__}: {e}") from e
+      raise CheckpointUnreadable(f"could not read the arrays of {self._step_dir(step)}: {type(e).__name__}: "
+                                 f"{first_line(e)}") from e
 
   def restore(self, step: int | None = None, *, abstract_state) -> tuple[Any, dict]:
-    """Restores (state, extras) of `step` (default: the latest).
+    """Restores (state, extras) of `step` (default: the latest readable one).
 
     `abstract_state` is the state's pytree of `jax.ShapeDtypeStruct`s (or arrays) whose `.sharding`
     says where each array goes: the current mesh, whatever mesh saved it. A checkpoint holding
     reference parameters restores into a state whose `ref_params` is None (they are dropped).
+
+    Without `step`, a latest checkpoint whose files cannot be read (truncated or corrupt arrays,
+    metadata or extras) is skipped with a warning naming it and why, and the previous complete one
+    is restored; in a writable directory the skipped steps are moved to `<step>.rljax-unreadable`
+    so that the run saves its next steps normally. An explicit `step` is never replaced by another.
     """
     self.wait()
-    step = self._resolve_step(step)
-    target = _as_abstract(abstract_state)
+    target = as_abstract(abstract_state)
+    if step is not None:
+      return self._restore_step(self._resolve_step(step), target)
+    steps = self.all_steps()
+    if not steps:
+      raise CheckpointError(self._no_checkpoint_message())
+    skipped: list[tuple[int, CheckpointUnreadable]] = []
+    for candidate in reversed(steps):
+      try:
+        out = self._restore_step(candidate, target)
+      except CheckpointUnreadable as e:
+        skipped.append((candidate, e))
+        continue
+      if skipped:
+        self._skip_unreadable(skipped, candidate)
+      return out
+    raise CheckpointError(f"no checkpoint in {self.directory} can be read: "
+                          + "; ".join(f"step {s}: {e}" for s, e in skipped)
+                          + ". Start over (a new config.output.dir, or --overwrite), or restore the files.")
+
+  def _restore_step(self, step: int, target) -> tuple[Any, dict]:
     partial = self._check_target(step, target, allow_unused=("ref_params.",))
     state = self._restore_state_item(step, target, partial)
-    return state, self.restore_extras(step)
+    return state, self._read_extras(step)
+
+  def _skip_unreadable(self, skipped: list[tuple[int, CheckpointUnreadable]], used: int) -> None:
+    """Warns about the unreadable steps above `used` and, when writable, sets them aside."""
+    moved = not self.read_only
+    if moved:
+      if jax.process_index() == 0:
+        for step, _ in skipped:
+          dst = self._step_dir(step) + _UNREADABLE_SUFFIX
+          if os.path.exists(dst):
+            shutil.rmtree(dst)
+          os.rename(self._step_dir(step), dst)
+      self._barriers += 1
+      ocp.multihost.sync_global_processes(f"rljax_checkpoint_unreadable_{used}_{self._barriers}")
+      self._mgr.reload()
+    for step, e in skipped:
+      log.warning("checkpoint step %d in %s cannot be read, skipped%s: %s", step, self.directory,
+                  f" (moved to {self._step_dir(step) + _UNREADABLE_SUFFIX})" if moved else "", e)
+    log.warning("resuming from checkpoint step %d, the latest readable one in %s (skipped: %s)", used,
+                self.directory, ", ".join(str(s) for s, _ in skipped))
 
   def restore_params(self, step: int | None = None, *, shardings=None):
     """Only the `params` subtree of `step`, as saved (dtype and shapes from the checkpoint).
@@ -462,12 +400,27 @@ class Checkpointer:
     return self._restore_state_item(step, {"params": target}, partial=True)["params"]
 
   def restore_extras(self, step: int | None = None) -> dict:
-    """The JSON extras of `step` (default: the latest); reads no arrays."""
-    step = self._resolve_step(step)
+    """The JSON extras of `step` (default: the latest step whose extras can be read); reads no arrays."""
+    if step is None:
+      steps = self.all_steps()
+      if not steps:
+        raise CheckpointError(self._no_checkpoint_message())
+      for candidate in reversed(steps[1:]):
+        try:
+          return self._read_extras(candidate)
+        except CheckpointUnreadable:
+          continue  # restore() warns about it and falls back the same way
+      return self._read_extras(steps[0])
+    return self._read_extras(self._resolve_step(step))
+
+  def _read_extras(self, step: int) -> dict:
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(**{_EXTRAS: ocp.args.JsonRestore()}))[_EXTRAS]
     except Exception as e:
-      raise CheckpointError(f"could not read the extras of {self._step_dir(step)}: {type(e).__name__}: {e}") from e
+      raise CheckpointUnreadable(f"could not read the extras of {self._step_dir(step)}: {type(e).__name__}: "
+                                 f"{first_line(e)}") from e
+    if out is not None and not isinstance(out, Mapping):
+      raise CheckpointUnreadable(f"the extras of {self._step_dir(step)} are a {type(out).__name__}, not a dict")
     return dict(out or {})
 
   # ---- lifecycle ----

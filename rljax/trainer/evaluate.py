@@ -30,7 +30,7 @@ DEFAULT_BATCH_ROWS = 64   # `rljax eval --batch-size`: completions decoded at on
 def _sample_fn(config, sp):
   """The jitted sampler of one model config and SamplingParams, kept: the trainer's evaluations
   (before, every eval.every steps, after) reuse its compiled programs instead of compiling anew."""
-  from rljax.sampling import sample
+  from rljax.rollout.sampler import sample
 
   def eval_sample(params, ids, mask, key):
     return sample(config, params, ids, mask, sp, key, eos_ids=tuple(sp.stop_token_ids))
@@ -80,7 +80,7 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
     run = _sample_fn(model_config, sampling)
   else:
     engine = tool_rollout(sampling)
-    run = lambda params, ids, mask, key: engine.run(params, ids, mask, key)
+    run = lambda params, ids, mask, key: engine.run(params, ids, mask, key)[1].trajectories
   key = jax.random.key(seed)
   per_example: list[dict[str, Any]] = []
   tokens_made, seconds = 0, 0.0
@@ -250,7 +250,7 @@ def eval_main(argv) -> int:
   import rljax
   from rljax.data import build_dataset
   from rljax.rewards import RewardPool, RewardSpec
-  from rljax.sampling import SamplingParams, effective_temperature
+  from rljax.rollout.draw import SamplingParams, effective_temperature
 
   kind = args.kind
   source: dict[str, Any] = {}
@@ -298,7 +298,7 @@ def eval_main(argv) -> int:
   with RewardPool(spec) as pool, _tool_runner(args) as runner:
     tool_rollout = prompt_tools = None
     if runner is not None:
-      from rljax.multiturn import ToolRollout, TurnParams
+      from rljax.rollout.tools import ToolRollout, TurnParams
       tool_rollout = lambda sp: ToolRollout(policy.config, tok, runner, sp, TurnParams(max_turns=args.max_turns),
                                             fmt=args.tool_format, eos_ids=sp.stop_token_ids)
       prompt_tools = runner.schemas() if args.tool_format == "hermes" else None

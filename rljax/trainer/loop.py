@@ -16,9 +16,13 @@ import numpy as np
 from rljax import compile_stats
 from rljax import config as config_lib
 from rljax import sharding as shd
+from rljax.config.validation import check_batch_mesh
 from rljax.errors import ConfigError, RljaxError
 from rljax.models import lora
 from rljax.models.policy import Policy, init_params, param_shardings
+from rljax.rollout.draw import SamplingParams
+from rljax.rollout.tools import ToolRollout, TurnParams
+from rljax.rollout.types import Prompts
 from rljax.trainer.metrics import MetricsWriter, to_floats
 from rljax.trainer.optim import make_optimizer
 from rljax.trainer.state import TrainState
@@ -92,7 +96,6 @@ def load_policy(model_cfg, tokenizer_path: str = "", mesh=None) -> Policy:
 def sampling_params(cfg, tokenizer, *, greedy=False, max_new_tokens=None, num_samples=None, temperature=None,
                     stops=True):
   """SamplingParams from config.sampling; `stops=False` drops the stop tokens (sampling.ignore_eos)."""
-  from rljax.sampling import SamplingParams
   s = cfg.sampling
   temp = s.temperature if temperature is None else temperature
   return SamplingParams(
@@ -128,8 +131,7 @@ class PromptFeed:
                           "raise num_epochs or set it to None to cycle forever.") from None
     return batch, self.batcher.state()
 
-  def next(self, sharding):
-    from rljax.trainer.rollouts import Prompts
+  def next(self, sharding) -> Prompts:
     batch, data_state = self.next_host()
     ids, mask = np.asarray(batch.prompt_ids, np.int32), np.asarray(batch.prompt_mask, bool)
     if jax.process_count() > 1:
@@ -168,12 +170,10 @@ class Trainer:
     compile_stats.install()
     if config.compile.cache_dir:
       compile_stats.enable_persistent_cache(config.compile.cache_dir)
-    if config.rollout.mode != "fused" and jax.process_count() > 1:
-      raise ConfigError(f"config.rollout.mode={config.rollout.mode!r} runs in one process for now; multi-process "
-                        "runs use rollout.mode='fused'.")
     from rljax.trainer.rollouts import split_devices
     learner_devices, generator_devices = split_devices(config)
     self.mesh = shd.make_mesh(tuple(config.mesh.shape), devices=learner_devices)
+    check_batch_mesh(config, self.mesh, jax.process_count())
     self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
     policy = load_policy(config.model, config.tokenizer, mesh=self.mesh)
     self.model_config, self.tokenizer = policy.config, policy.tokenizer
@@ -207,7 +207,7 @@ class Trainer:
         state_shardings=self.state_shardings, batch_rows=self.batch_rows, scorer=self.scorer,
         rollout_cfg=config.rollout, steps=t.steps, max_staleness=config_lib.max_staleness(config),
         start_step=self.start_step, generator_mesh=self.generator_mesh,
-        tool_engine=self.tool_rollout(self.sp) if config.tools.enabled else None,
+        tools=self.tool_rollout(self.sp) if config.tools.enabled else None,
         pad_id=int(self.tokenizer.pad_id or 0), max_prompt_tokens=config.data.max_prompt_tokens), self.state)
     from rljax.trainer.hooks import default_hooks
     self.hooks = default_hooks(self)
@@ -228,8 +228,7 @@ class Trainer:
       self.prompt_tools = self.tool_runner.schemas()
 
   def tool_rollout(self, sp):
-    """A multi-turn rollout engine (rljax/multiturn.py) with sampling params `sp`."""
-    from rljax.multiturn import ToolRollout, TurnParams
+    """The multi-turn rollout engine (rljax/rollout/tools.py) with sampling params `sp`."""
     tl = self.config.tools
     tp = TurnParams(max_turns=tl.max_turns, segment_tokens=tl.segment_tokens, slots=tl.slots,
                     max_response_tokens=tl.max_response_tokens)
@@ -372,7 +371,7 @@ class Trainer:
     out = {"perf/flops_per_s": (work["sample"] + work["update"]) / max(m["time/step"], 1e-9)}
     out["perf/mfu"] = flops.utilization(out["perf/flops_per_s"], self._peak_flops)
     # In the decoupled modes a phase's time is the wait for it, not its duration: no per-phase MFU.
-    for phase in ("sample", "update") if self.config.rollout.mode == "fused" else ():
+    for phase in ("sample", "update") if self.runner.mode.exact_phases else ():
       if m.get(f"time/{phase}", 0.0) > 0:
         out[f"perf/{phase}_mfu"] = flops.utilization(work[phase] / m[f"time/{phase}"], self._peak_flops)
     return out
@@ -492,8 +491,7 @@ class Trainer:
       self.close()
       writer.close()
       self.ckpt.wait()
-    if self.config.rollout.mode != "fused":
-      summary["rollout"] = dict(self.runner.counts)
+    summary["rollout"] = dict(self.runner.counts)
     summary["metrics_file"] = writer.path
     if c.output.tensorboard:
       summary["tensorboard_dir"] = os.path.join(self.out_dir, "tb")

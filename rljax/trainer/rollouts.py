@@ -1,4 +1,5 @@
-"""How a run schedules generation, scoring and updates: config.rollout.mode (docs/rollouts.md).
+"""How a run schedules generation, scoring and updates: the runners of config.rollout.mode
+(docs/rollouts.md; the modes and what each supports: trainer/modes.py).
 
     fused      one compiled program per step: sample -> io_callback rewards -> update. Exact.
     pipelined  two compiled halves. While the host scores batch k and the device updates on it,
@@ -6,30 +7,28 @@
                (one step off-policy), or, with max_staleness=0, only after it (exact). Multi-turn
                tool runs use this mode: their generation alternates compiled decode segments with
                host tool calls, so it cannot live inside one compiled step.
-    async      the device mesh is split into a generator part and a learner part. A generator
-               thread streams rollouts through a scorer thread into a bounded queue; the learner
-               (the caller's thread) takes whole batches and publishes parameters to the
-               generators every sync_every updates by a device-to-device reshard.
-    partial    (trainer/partial.py) a pool of groups decoded in segments; a step trains the first
-               groups to finish and carries the rest.
+    async      (trainer/async_rollouts.py) the device mesh is split into a generator part and a
+               learner part; batches stream through threads and bounded queues.
+    partial    the partial producer's pool of groups decoded in segments (rljax/rollout/partial.py);
+               a step trains the first groups to finish and carries the rest.
 
 A runner is `step(state, feed) -> (state, StepOutput)`: it takes the train state and the loop's
 prompt feed and returns the new state; the loop owns the state, the data position and the
-metrics. Every runner makes `Rollout`s with a producer, scores them on the host through the same
-retrying `Scorer`, and trains them with the one update of trainer/step.py.
+metrics. Every runner makes `Rollout`s with a producer (rljax/rollout: `producer(params, key,
+feed) -> (Rollout, RolloutInfo)`), scores them on the host through the same retrying `Scorer`,
+and trains them with the one update of trainer/step.py. A runner's `mode` declares what it can do
+(trainer/modes.py).
 
 Off-policy batches (staleness > 0) are corrected, not ignored: lp_old is recomputed with the
 parameters before the update (decoupled PPO's proximal policy) and the sampler's log-probs,
 the behaviour policy, enter through the truncated IS weight min(exp(lp_old - lp_samp), tis_cap).
-Every mode draws the k-th sampling key by the same split of `state.rng` and deals batches in the
-same order, so at staleness 0 they produce the same rollouts and updates.
+Batch k is sampled with `rollout_key(state.rng, k)` in every mode, and batches are dealt in the
+same order, so at staleness 0 every mode produces the same rollouts and updates.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from typing import Any, Callable
 
@@ -38,16 +37,18 @@ import numpy as np
 
 from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
-from rljax.models import lora
 from rljax.rewards.callback import local_indices
-from rljax.rollout import Rollout
-from rljax.trainer.state import TrainState
-from rljax.trainer.step import jit_train_step, make_generate_fn, make_train_step, make_update_fn
+from rljax.rollout.partial import PartialProducer
+from rljax.rollout.sampler import SamplerProducer
+from rljax.rollout.tools import ToolProducer, ToolRollout
+from rljax.rollout.types import Rollout, RolloutInfo, by_rows
+from rljax.trainer import modes
+from rljax.trainer.state import TrainState, rollout_key
+from rljax.trainer.step import jit_train_step, make_train_step, make_update_fn
 
 log = logging.getLogger("rljax")
 
 SCORE_ATTEMPTS = 3      # a batch is rescored on a fresh reward pool this many times before the run stops
-_POLL_S = 0.1           # how often a blocked thread checks for shutdown
 
 
 class RolloutError(RljaxError):
@@ -58,8 +59,8 @@ class RolloutError(RljaxError):
 class RunContext:
   """What a runner may use: the static step, its meshes and shardings, and the scorer.
 
-  The loop builds it once; runners never see the Trainer. `tool_engine` is the multi-turn
-  producer (rljax/multiturn.py) when config.tools.enabled.
+  The loop builds it once; runners never see the Trainer. `tools` is the multi-turn engine
+  (rljax/rollout/tools.py) when config.tools.enabled.
   """
   spec: Any                        # trainer/step.py StepSpec
   optimizer: Any
@@ -73,7 +74,7 @@ class RunContext:
   max_staleness: int
   start_step: int
   generator_mesh: jax.sharding.Mesh | None = None
-  tool_engine: Any = None
+  tools: ToolRollout | None = None
   pad_id: int = 0
   max_prompt_tokens: int = 0
 
@@ -87,20 +88,8 @@ class StepOutput:
   phases: dict[str, float]         # time/<phase>
   prompt_len: int
   data_state: dict                 # the data position after the batch trained on (what a checkpoint saves)
-  extra: dict = dataclasses.field(default_factory=dict)   # scheduler / tool metrics (rollout/*, tools/*)
-
-
-@dataclasses.dataclass
-class Prompts:
-  """One prompt batch drawn from the feed: host examples and device arrays [P*O, Lp]."""
-  examples: list
-  ids: jax.Array
-  mask: jax.Array
-  data_state: dict
-
-  @property
-  def width(self) -> int:
-    return self.ids.shape[1]
+  extra: dict = dataclasses.field(default_factory=dict)   # scheduler / producer metrics (rollout/*, tools/*)
+  info: RolloutInfo | None = None  # what the producer of the trained batch reported (trajectories, ...)
 
 
 class Scorer:
@@ -150,59 +139,49 @@ class Scorer:
 class Batch:
   """One generated batch on its way to the learner (host-side bookkeeping plus device arrays)."""
   index: int                 # the rollout step it is for (0-based, counts from the start of the run)
-  version: int               # parameter version (updates applied) that generated it
-  examples: list
-  data_state: dict           # the data position just after this batch was drawn
-  prompt_len: int
+  version: int               # parameter version (updates applied) of its oldest tokens
   rollout: Rollout           # device arrays
+  info: RolloutInfo          # what its producer reported (examples, data position, metrics)
   tokens: np.ndarray | None = None
   lengths: np.ndarray | None = None
   rewards: np.ndarray | None = None
   components: np.ndarray | None = None
   reward_metrics: dict | None = None
   score_s: float = 0.0
-  extra: dict = dataclasses.field(default_factory=dict)
-
-
-def split_key(rng):
-  """The split `TrainState.next_rng` makes: (new raw key data, the key for this rollout)."""
-  key, sub = jax.random.split(jax.random.wrap_key_data(rng))
-  return jax.random.key_data(key), sub
-
-
-def by_rows(mesh, tree):
-  """NamedShardings that split every array of `tree` (arrays or ShapeDtypeStructs) by its rows."""
-  return jax.tree.map(lambda x: shd.batch_sharding(mesh, x.ndim, x.shape[0]), tree)
 
 
 def make_runner(ctx: RunContext, state: TrainState):
-  """The runner of config.rollout.mode (see the module doc)."""
-  mode = ctx.rollout_cfg.mode
-  if mode == "partial":
-    from rljax.trainer.partial import PartialRollouts
-    return PartialRollouts(ctx, state)
-  if ctx.tool_engine is not None:
-    return PipelinedRollouts(ctx, state, producer=ToolProducer(ctx))
-  return {"fused": FusedRollouts, "pipelined": PipelinedRollouts, "async": AsyncRollouts}[mode](ctx, state)
+  """The runner of config.rollout.mode (trainer/modes.py)."""
+  mode = modes.get(ctx.rollout_cfg.mode)
+  if jax.process_count() > 1 and not mode.multi_process:
+    multi = [m.name for m in modes.MODES.values() if m.multi_process]
+    raise ConfigError(f"config.rollout.mode={mode.name!r} runs in one process for now; multi-process runs use "
+                      f"rollout.mode in {multi}.")
+  if ctx.tools is not None and not mode.tools:
+    raise ConfigError(f"config.tools.enabled with rollout.mode={mode.name!r}: use one of "
+                      f"{[m.name for m in modes.MODES.values() if m.tools]}.")
+  return mode.runner_class()(ctx, state)
 
 
 def split_devices(config) -> tuple[list, list]:
-  """(learner devices, generator devices) for config.rollout; generators empty unless async."""
+  """(learner devices, generator devices) for config.rollout; generators empty unless the mode
+  splits the devices (async)."""
   devices = list(jax.devices())
   r = config.rollout
-  if r.mode != "async":
+  if not modes.get(r.mode).splits_devices:
     return devices, []
   n_gen = r.generator_devices or len(devices) // 2
   if not 0 < n_gen < len(devices):
     raise ConfigError(
         f"config.rollout.generator_devices={r.generator_devices} leaves no devices for "
-        f"{'the generators' if n_gen <= 0 else 'the learner'} ({len(devices)} devices); the async mode needs "
+        f"{'the generators' if n_gen <= 0 else 'the learner'} ({len(devices)} devices); the {r.mode} mode needs "
         "at least 2 devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8).")
   return devices[n_gen:], devices[:n_gen]
 
 
 class FusedRollouts:
   """One jitted program per step; rewards through io_callback (trainer/step.py)."""
+  mode = modes.MODES["fused"]
 
   def __init__(self, ctx: RunContext, state: TrainState):
     self.ctx = ctx
@@ -210,6 +189,7 @@ class FusedRollouts:
     self.batch_sharding = shd.batch_sharding(ctx.mesh, 2, ctx.batch_rows)
     step_fn = make_train_step(ctx.spec, ctx.optimizer, ctx.scorer.reward_fn, ctx.schedule, mesh=ctx.mesh)
     self.train_step = jit_train_step(step_fn, ctx.state_shardings, self.batch_sharding)
+    self.counts = {"batches_generated": 0, "batches_trained": 0}
 
   def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
     scorer = self.ctx.scorer
@@ -223,95 +203,65 @@ class FusedRollouts:
     metrics = jax.device_get(metrics)
     t1 = time.perf_counter()
     self.index += 1
+    self.counts["batches_generated"] += 1
+    self.counts["batches_trained"] += 1
     timing = scorer.reward_fn.last_timing()
     phases = {}
     if timing:
       phases = {"sample": max(timing["start"] - t0, 0.0), "score": timing["end"] - timing["start"],
                 "update": max(t1 - timing["end"], 0.0)}
+    info = RolloutInfo(examples=list(prompts.examples), data_state=prompts.data_state, prompt_len=prompts.width)
     return state, StepOutput(metrics, scorer.reward_fn.global_metrics(), t1 - t0, phases, prompts.width,
-                             prompts.data_state)
+                             prompts.data_state, info=info)
 
   def close(self) -> None:
     pass
 
 
-class CompiledProducer:
-  """The single-turn sampler as a producer: one jitted program, rows sharded on `mesh`."""
-
-  def __init__(self, ctx: RunContext, mesh):
-    generate = make_generate_fn(ctx.spec, mesh)
-    # Every rollout array is sharded by rows; unconstrained, XLA may leave them (and the work
-    # producing them) on one device.
-    self._generate = jax.jit(generate, out_shardings=_rollout_shardings(ctx, mesh, generate))
-
-  def __call__(self, params, key, prompt_ids, prompt_mask) -> Rollout:
-    return self._generate(params, key, prompt_ids, prompt_mask)
-
-  def annotate(self, examples: list, rollout: Rollout) -> tuple[list, dict]:
-    """The examples to score each row against, and per-batch metrics (none here)."""
-    return examples, {}
-
-
-def _rollout_shardings(ctx: RunContext, mesh, generate):
-  prompts = lambda dtype: jax.ShapeDtypeStruct((ctx.batch_rows, 1), dtype)   # any width: same ranks
-  shapes = jax.eval_shape(generate, _param_shapes(ctx), jax.random.key(0), prompts(np.int32), prompts(bool))
-  return by_rows(mesh, shapes)
-
-
-def _param_shapes(ctx: RunContext):
-  from rljax.models.policy import init_params
-  return jax.eval_shape(lambda: init_params(ctx.spec.model, jax.random.key(0)))
-
-
-class ToolProducer:
-  """Multi-turn tool use (rljax/multiturn.py, docs/tools.md) as a producer of Rollouts.
-
-  Generation alternates compiled decode segments with host tool calls; the update's log-probs
-  attend to model and tool tokens (`context_mask`) and train on the model's tokens (`mask`).
-  """
-
-  def __init__(self, ctx: RunContext):
-    self.ctx = ctx
-    self.engine = ctx.tool_engine
-    self.last = None
-
-  def __call__(self, params, key, prompt_ids, prompt_mask) -> Rollout:
-    traj = self.last = self.engine.run(params, prompt_ids, prompt_mask, key)
-    return jax.device_put(traj.rollout, by_rows(self.ctx.mesh, traj.rollout))
-
-  def annotate(self, examples: list, rollout: Rollout) -> tuple[list, dict]:
-    """Each trajectory's example gains its `tool_calls` and `tool_errors` (for per-trajectory
-    reward components such as the `tool_use` verifier)."""
-    traj, g = self.last, self.ctx.spec.group
-    per_row = [dict(examples[r // g], tool_calls=int(traj.turns[r]), tool_errors=int(traj.tool_errors[r]))
-               for r in range(len(traj.turns))]
-    return per_row, dict(traj.metrics)
-
-
 class Decoupled:
-  """What the pipelined, async and partial modes share: one jitted update, retrying host
-  scoring, the staleness bound and the scheduler metrics."""
+  """What the pipelined, async and partial modes share: a producer, one jitted update, retrying
+  host scoring, the staleness bound and the scheduler metrics."""
 
-  def __init__(self, ctx: RunContext, state: TrainState, generator_mesh=None):
+  def __init__(self, ctx: RunContext, state: TrainState, producer, generator_mesh=None):
     self.ctx = ctx
+    self.producer = producer
     self.max_staleness = ctx.max_staleness
     self.steps = ctx.steps
     self.version = ctx.start_step      # parameter version of the learner's state (updates applied)
     self.next_index = ctx.start_step   # the next batch to generate
-    # Raw key data on the host: the generator advances its own copy of the key chain.
-    self.rng = np.asarray(jax.device_get(state.rng))
+    self.base_rng = np.asarray(jax.device_get(state.rng))   # constant: batch k is sampled with rollout_key(., k)
     self.learner_mesh = ctx.mesh
     self.generator_mesh = generator_mesh or ctx.mesh
-    update = make_update_fn(ctx.spec, ctx.optimizer, ctx.schedule, mesh=ctx.mesh, advance_rng=True)
+    update = make_update_fn(ctx.spec, ctx.optimizer, ctx.schedule, mesh=ctx.mesh)
     self.update = jax.jit(update, donate_argnums=(0,), out_shardings=(ctx.state_shardings, None))
     self.idle = {"generator": 0.0, "scorer": 0.0, "learner": 0.0}
-    self.counts = {"batches_generated": 0, "batches_trained": 0}
+    self._counts = {"batches_generated": 0, "batches_trained": 0}
+
+  @property
+  def counts(self) -> dict:
+    """Batches generated / trained (and, at close, dropped), with the producer's own counts."""
+    return {**self._counts, **getattr(self.producer, "counts", {})}
+
+  def draw(self, feed, params, version: int) -> Batch:
+    """Draws the next batch from the producer (returns before a compiled producer's generation
+    finishes). `version`: the parameters' version."""
+    rollout, info = self.producer(params, rollout_key(self.base_rng, self.next_index), feed)
+    item = Batch(index=self.next_index, version=version - info.age, rollout=rollout, info=info)
+    self.next_index += 1
+    self._counts["batches_generated"] += 1
+    return item
+
+  @staticmethod
+  def finish_generation(item: Batch) -> Batch:
+    """Waits for the batch's tokens and brings them to the host (the scorer needs text)."""
+    item.tokens, item.lengths = (np.asarray(x) for x in jax.device_get((item.rollout.tokens, item.rollout.lengths)))
+    return item
 
   def score(self, item: Batch) -> Batch:
     """Scores on the host (the scorer rescoring on a fresh pool if the pool fails)."""
     start = time.perf_counter()
     item.rewards, item.components, item.reward_metrics = self.ctx.scorer.score(
-        item.tokens, item.lengths, item.examples, item.index)
+        item.tokens, item.lengths, item.info.examples, item.index)
     item.score_s = time.perf_counter() - start
     return item
 
@@ -326,14 +276,14 @@ class Decoupled:
                                    jax.device_put(item.components, shd.batch_sharding(self.learner_mesh, 2, n)))
     state, metrics = self.update(state, rollout)
     self.version += 1
-    self.counts["batches_trained"] += 1
+    self._counts["batches_trained"] += 1
     return state, jax.device_get(metrics), staleness
 
   def rollout_metrics(self, staleness: int, queue_depth: int) -> dict[str, float]:
     """Per-step scheduler metrics; idle times are seconds spent waiting since the previous step."""
     idle, self.idle = self.idle, {"generator": 0.0, "scorer": 0.0, "learner": 0.0}
     out = {"rollout/staleness": float(staleness), "rollout/queue_depth": float(queue_depth),
-           "rollout/batches_in_flight": float(self.counts["batches_generated"] - self.counts["batches_trained"])}
+           "rollout/batches_in_flight": float(self._counts["batches_generated"] - self._counts["batches_trained"])}
     out.update({f"rollout/{who}_idle_s": s for who, s in idle.items()})
     # One-hot per step: summed over a run's steps it is the run's staleness histogram.
     for s in range(self.max_staleness + 1):
@@ -342,47 +292,29 @@ class Decoupled:
 
   def output(self, item: Batch, metrics: dict, seconds: float, phases: dict, staleness: int,
              queue_depth: int) -> StepOutput:
-    extra = dict(item.extra)
+    extra = dict(item.info.metrics)
     extra.update(self.rollout_metrics(staleness, queue_depth))
-    return StepOutput(metrics, item.reward_metrics, seconds, phases, item.prompt_len, item.data_state, extra)
+    return StepOutput(metrics, item.reward_metrics, seconds, phases, item.info.prompt_len, item.info.data_state, extra,
+                      info=item.info)
+
+  def close(self) -> None:
+    self._counts["batches_dropped"] = self._counts["batches_generated"] - self._counts["batches_trained"]
 
 
-class _Streaming(Decoupled):
-  """Decoupled modes whose batches come straight from the feed through a producer."""
-
-  def __init__(self, ctx: RunContext, state: TrainState, producer=None, generator_mesh=None):
-    super().__init__(ctx, state, generator_mesh)
-    self.gen_batch_sharding = shd.batch_sharding(self.generator_mesh, 2, ctx.batch_rows)
-    self.producer = producer or CompiledProducer(ctx, self.generator_mesh)
-
-  def draw(self, feed, params, version: int) -> Batch:
-    """Draws the next prompts and dispatches their generation (returns before it finishes for
-    compiled producers)."""
-    prompts = feed.next(self.gen_batch_sharding)
-    self.rng, key = split_key(self.rng)
-    rollout = self.producer(params, key, prompts.ids, prompts.mask)
-    examples, extra = self.producer.annotate(list(prompts.examples), rollout)
-    item = Batch(index=self.next_index, version=version, examples=examples, data_state=prompts.data_state,
-                 prompt_len=prompts.width, rollout=rollout, extra=extra)
-    self.next_index += 1
-    self.counts["batches_generated"] += 1
-    return item
-
-  @staticmethod
-  def finish_generation(item: Batch) -> Batch:
-    """Waits for the batch's tokens and brings them to the host (the scorer needs text)."""
-    item.tokens, item.lengths = (np.asarray(x) for x in jax.device_get((item.rollout.tokens, item.rollout.lengths)))
-    return item
-
-
-class PipelinedRollouts(_Streaming):
+class PipelinedRollouts(Decoupled):
   """Generation of batch k+1 overlaps scoring and updating batch k (one thread, async dispatch).
 
   JAX dispatch returns before the device finishes, so generating k+1 is queued on the device
-  before the host starts scoring k; the update of k is queued behind it.
+  before the host starts scoring k; the update of k is queued behind it. The producer is the
+  single-turn sampler, or multi-turn tool use when config.tools.enabled.
   """
+  mode = modes.MODES["pipelined"]
 
-  def __init__(self, ctx: RunContext, state: TrainState, producer=None):
+  def __init__(self, ctx: RunContext, state: TrainState):
+    if ctx.tools is not None:
+      producer = ToolProducer(ctx.tools, ctx.mesh, ctx.batch_rows)
+    else:
+      producer = SamplerProducer(ctx.spec, ctx.mesh, ctx.batch_rows)
     super().__init__(ctx, state, producer)
     self.pending: Batch | None = None
 
@@ -404,135 +336,33 @@ class PipelinedRollouts(_Streaming):
 
   def close(self) -> None:
     self.pending = None
-    self.counts["batches_dropped"] = self.counts["batches_generated"] - self.counts["batches_trained"]
+    super().close()
 
 
-class AsyncRollouts(_Streaming):
-  """A generator thread and a scorer thread feed the learner through bounded queues (module doc)."""
+class PartialRollouts(Decoupled):
+  """The partial pool (rljax/rollout/partial.py) as a step: its call generates until P groups are
+  complete and returns them; they are scored and trained at once (no overlap). A batch is as old
+  as its oldest group: that is the staleness the bound checks."""
+  mode = modes.MODES["partial"]
 
   def __init__(self, ctx: RunContext, state: TrainState):
-    super().__init__(ctx, state, generator_mesh=ctx.generator_mesh)
-    r = ctx.rollout_cfg
-    self.sync_every = r.sync_every
-    from rljax.models.policy import param_shardings
-    self.gen_param_shardings = param_shardings(ctx.spec.model, self.generator_mesh)
-    self.cond = threading.Condition()
-    self._gen_base = None
-    self.published = (self.publish_params(state), self.version)
-    self.to_score: queue.Queue = queue.Queue(maxsize=1)
-    self.ready: queue.Queue = queue.Queue(maxsize=r.queue_size)
-    self.stopping = threading.Event()
-    self.error: tuple[str, BaseException] | None = None
-    self.threads: list[threading.Thread] = []
-    self.feed = None
-
-  def publish_params(self, state: TrainState):
-    """The learner's parameters resharded onto the generator devices (device to device). Under
-    LoRA the frozen base is copied once and only the adapters at each sync."""
-    if state.frozen is None:
-      params = jax.device_put(state.params, self.gen_param_shardings)
-    else:
-      base_sh, adapter_sh = lora.split(self.gen_param_shardings)
-      if self._gen_base is None:
-        self._gen_base = jax.block_until_ready(jax.device_put(state.frozen, base_sh))
-      params = lora.join(self._gen_base, jax.device_put(state.params, adapter_sh))
-    return jax.block_until_ready(params)   # the learner's next update donates the source buffers
-
-  def _start(self, feed) -> None:
-    self.feed = feed
-    for name, fn in (("generator", self._generate_loop), ("scorer", self._score_loop)):
-      th = threading.Thread(target=self._guard, args=(name, fn), name=f"rljax-{name}", daemon=True)
-      th.start()
-      self.threads.append(th)
-
-  def _guard(self, name: str, fn) -> None:
-    try:
-      fn()
-    except BaseException as e:  # noqa: BLE001 - handed to the learner's thread, which raises it
-      self.error = (name, e)
-      self.stopping.set()
-      with self.cond:
-        self.cond.notify_all()
-
-  def _put(self, q: queue.Queue, item, who: str) -> bool:
-    start = time.perf_counter()
-    while not self.stopping.is_set():
-      try:
-        q.put(item, timeout=_POLL_S)
-        self.idle[who] += time.perf_counter() - start
-        return True
-      except queue.Full:
-        continue
-    return False
-
-  def _get(self, q: queue.Queue, who: str):
-    start = time.perf_counter()
-    while not self.stopping.is_set():
-      try:
-        item = q.get(timeout=_POLL_S)
-        self.idle[who] += time.perf_counter() - start
-        return item
-      except queue.Empty:
-        continue
-    return None
-
-  def _generate_loop(self) -> None:
-    while self.next_index < self.steps and not self.stopping.is_set():
-      need = self.next_index - self.max_staleness
-      start = time.perf_counter()
-      with self.cond:
-        self.cond.wait_for(lambda: self.stopping.is_set() or self.published[1] >= need)
-        params, version = self.published
-      self.idle["generator"] += time.perf_counter() - start
-      if self.stopping.is_set():
-        return
-      item = self.finish_generation(self.draw(self.feed, params, version))
-      if not self._put(self.to_score, item, "generator"):
-        return
-
-  def _score_loop(self) -> None:
-    while not self.stopping.is_set():
-      item = self._get(self.to_score, "scorer")
-      if item is None or not self._put(self.ready, self.score(item), "scorer"):
-        return
+    producer = PartialProducer(ctx.spec, ctx.mesh, oversample=ctx.rollout_cfg.oversample, width=ctx.max_prompt_tokens,
+                               max_staleness=ctx.max_staleness, pad_id=ctx.pad_id)
+    super().__init__(ctx, state, producer)
 
   def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
-    if not self.threads:
-      self._start(feed)
     t0 = time.perf_counter()
-    item = None
-    while item is None:
-      if self.error is not None:
-        name, err = self.error
-        if isinstance(err, RljaxError):
-          raise err
-        raise RolloutError(f"the {name} thread failed: {err!r}; the run stops and keeps its last good "
-                           "checkpoint.") from err
-      try:
-        item = self.ready.get(timeout=_POLL_S)
-      except queue.Empty:
-        if self.stopping.is_set() and self.error is None:
-          raise RolloutError("the rollout threads stopped before the run finished.")
+    item = self.finish_generation(self.draw(feed, state.model_params(), self.version))
     t1 = time.perf_counter()
-    self.idle["learner"] += t1 - t0
-    depth = self.ready.qsize()
-    # Device to device: the rollout moves from the generator devices to the learner's.
-    rollout = jax.device_put(item.rollout, by_rows(self.learner_mesh, item.rollout))
-    state, metrics, staleness = self.train(state, item, rollout)
-    if self.version % self.sync_every == 0:
-      params = self.publish_params(state)
-      with self.cond:
-        self.published = (params, self.version)
-        self.cond.notify_all()
+    self.score(item)
     t2 = time.perf_counter()
-    phases = {"sample": t1 - t0, "score": item.score_s, "update": t2 - t1}
-    return state, self.output(item, metrics, t2 - t0, phases, staleness, depth)
+    state, metrics, staleness = self.train(state, item, item.rollout)
+    t3 = time.perf_counter()
+    phases = {"sample": t1 - t0, "score": t2 - t1, "update": t3 - t2}
+    waiting = int(item.info.metrics["rollout/groups_waiting"])
+    return state, self.output(item, metrics, t3 - t0, phases, staleness, waiting)
 
-  def close(self) -> None:
-    """Stops the threads; batches generated but never trained are counted in counts['batches_dropped']."""
-    self.stopping.set()
-    with self.cond:
-      self.cond.notify_all()
-    for th in self.threads:
-      th.join(timeout=60)
-    self.counts["batches_dropped"] = self.counts["batches_generated"] - self.counts["batches_trained"]
+
+def rows_on(mesh, rollout: Rollout) -> Rollout:
+  """The rollout's arrays moved to `mesh`, split by rows (device to device)."""
+  return jax.device_put(rollout, by_rows(mesh, rollout))

@@ -20,7 +20,9 @@ class TrainState:
     and the optimizer state are then the adapters only, the model runs `lora.join(frozen, params)`
     (`model_params`), and the KL reference is the base alone (`reference_params`). Checkpoints
     leave it out (the run reloads it from config.model). None without LoRA.
-  rng: raw PRNG key data [2] uint32 (raw so orbax can save it); step: rollout steps done.
+  rng: the run's base PRNG key as raw key data [2] uint32 (raw so orbax can save it), never
+    advanced: every key a step uses derives from it and the step (`rollout_key`, `dropout_key`);
+  step: rollout steps done.
   Updates skipped for non-finite gradients are counted in the optimizer state
   (`optax.apply_if_finite`; read them with `rljax.trainer.optim.skip_counts`).
   """
@@ -45,7 +47,18 @@ class TrainState:
     """The KL reference: the stored copy, or under LoRA the base with the adapters off (no copy)."""
     return self.frozen if self.ref_params is None else self.ref_params
 
-  def next_rng(self) -> tuple["TrainState", jax.Array]:
-    """Splits the stored key: returns the state with the new key and a key for this step."""
-    key, sub = jax.random.split(jax.random.wrap_key_data(self.rng))
-    return self.replace(rng=jax.random.key_data(key)), sub
+
+# The key streams of a run: fold_in(base, stream), then fold_in(., step).
+_SAMPLE, _DROPOUT = 0, 1
+
+
+def rollout_key(rng, step) -> jax.Array:
+  """The sampling key of rollout step `step` (the 0-based index of the batch: the fused step's
+  `state.step`, a decoupled runner's batch index) from the base key data `rng` [2] uint32. A
+  function of the two alone: every mode, and a resumed run, draw batch k with the same key."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), _SAMPLE), step)
+
+
+def dropout_key(rng, step) -> jax.Array:
+  """The LoRA dropout key of the updates of rollout step `step` (each update folds in its index)."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), _DROPOUT), step)

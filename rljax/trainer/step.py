@@ -4,10 +4,14 @@
           --select groups, advantages, lp_old--> TrainBatch --scan over epochs x mini-batches
           (each a scan over micro-batches)--> optax updates
 
-`make_generate_fn` builds the single-turn producer; other producers (multi-turn tools, the
-partial pool) make the same `Rollout`. `make_update_fn` is everything after scoring and is the
-only update there is: every rollout mode calls it. `make_train_step` fuses the sampler, the
-reward callback and the update into one program.
+The single-turn sampler (`rljax.rollout.sampler.make_generate_fn`) and the other producers
+(multi-turn tools, the partial pool) make the same `Rollout`. `make_update_fn` is everything
+after scoring and is the only update there is: every rollout mode calls it. `make_train_step`
+fuses the sampler, the reward callback and the update into one program.
+
+Keys: the sampling key of rollout step k and the LoRA dropout keys of its updates derive from the
+run's base key `state.rng` and the step (`rljax.trainer.state.rollout_key` / `dropout_key`), never
+from a key carried from step to step, so every rollout mode and a resumed run draw the same ones.
 
 Rows are prompt-major everywhere: row r belongs to prompt r // G. Mini-batches and micro-batches
 take whole groups, interleaved (group j goes to part j % n), so every part draws from every
@@ -30,11 +34,12 @@ from rljax.models.policy import apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
 from rljax.rl import LossConfig, chunked_logprobs, compute_advantages, kl_penalty, make_denominators, policy_loss
 from rljax.rl.losses import combine_metrics, metric_reduction, reduce_stacked
-from rljax.rollout import Rollout
-from rljax.sampling import SamplingParams, sample
+from rljax.rollout.draw import SamplingParams
+from rljax.rollout.sampler import make_generate_fn
+from rljax.rollout.types import Rollout
 from rljax.trainer import packing
 from rljax.trainer.optim import skip_counts
-from rljax.trainer.state import TrainState
+from rljax.trainer.state import TrainState, dropout_key, rollout_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,59 +136,15 @@ def _select_groups(spec: StepSpec, rollout: Rollout):
   return picked, metrics
 
 
-def make_generate_fn(spec: StepSpec, mesh: jax.sharding.Mesh | None = None, *,
-                     decode_budget_bytes: int | None = None):
-  """The single-turn producer: `generate(params, key, prompt_ids [P*O, Lp], prompt_mask) -> Rollout`.
-
-  Rows prompt-major, P*O*G of them; traced with `mesh` and the logical-axis rules in scope, so
-  every per-row array and the KV cache are split by rows over (data, fsdp).
-  decode_budget_bytes: see `decode_params` (None: half the device's memory, as it reports it).
-  """
-
-  def generate(params, key, prompt_ids, prompt_mask) -> Rollout:
-    with shd.activate(mesh):
-      out = sample(spec.model, decode_params(spec.model, params, mesh, decode_budget_bytes), prompt_ids,
-                   prompt_mask, spec.sampling, key, eos_ids=spec.eos_ids, mesh=mesh)
-    return Rollout.single_turn(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, tokens=out.tokens,
-                               mask=out.mask, logprobs=out.logprobs, entropy=out.entropy, lengths=out.lengths,
-                               truncated=out.truncated, group_size=spec.group)
-
-  return generate
-
-
-def decode_params(model: ModelConfig, params, mesh, budget_bytes: int | None = None):
-  """The sampler's copy of the parameters, made once per step device to device: matrices in the
-  compute dtype (vectors such as norm scales stay as stored: the learner applies them in float32
-  too), laid out by `shd.DECODE_RULES`: replicated over data and fsdp, split over tensor, so a
-  decoded token all-gathers no weights (the learner's fsdp layout would gather every layer's
-  weights for every token). Falls back to also sharding `embed` over fsdp when the replicated
-  copy would take more than half a device's memory (`budget_bytes`, default: read from the device;
-  `rljax plan` passes it for deviceless chips, which report none)."""
-  if mesh is None:
-    return params
-  from rljax.models.policy import param_logical_axes
-  cast = jax.tree.map(lambda p: p.astype(model.compute_dtype) if p.ndim >= 2 else p, params)
-  budget = budget_bytes
-  if budget is None:
-    try:
-      stats = mesh.devices.flat[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - deviceless (ahead-of-time) devices have no memory stats
-      stats = {}
-    budget = stats.get("bytes_limit", 0) // 2 or None
-  layout = shd.decode_param_shardings(param_logical_axes(model), cast, mesh, max_bytes_per_device=budget)
-  return jax.lax.with_sharding_constraint(cast, layout)
-
-
 def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
                    learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None, *,
-                   mesh: jax.sharding.Mesh | None = None, advance_rng: bool = False):
+                   mesh: jax.sharding.Mesh | None = None):
   """Builds `update(state, rollout: Rollout with rewards) -> (state, metrics)`.
 
   Everything after scoring: dynamic-sampling selection, the reference log-probs, advantages,
   lp_old, then epochs x mini-batches optimizer updates (a scan, each update a scan over
   micro-batches: one copy of forward + backward in the program whatever their numbers);
-  `state.step` advances by one. `advance_rng=True` also advances `state.rng` by the split the
-  fused step makes, for the decoupled modes that draw their sampling keys outside the step.
+  `state.step` advances by one.
 
   Metrics: the loss metrics of one optimizer update combine over its micro-batches by their
   reduction (`rljax.rl.losses.metric_reduction`: sum of globally normalised parts, max, min),
@@ -268,7 +229,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     return loss, grads, metrics
 
   def optimizer_update(state: TrainState, mb: TrainBatch, index):
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), index)   # LoRA dropout only
+    key = jax.random.fold_in(dropout_key(state.rng, state.step), index)   # LoRA dropout only
     loss, grads, metrics = (accumulate_packed if spec.pack_tokens else accumulate)(state.params, state.frozen, mb, key)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -312,8 +273,6 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
 
   def update(state: TrainState, rollout: Rollout):
     with shd.activate(mesh):
-      if advance_rng:
-        state, _ = state.next_rng()
       metrics = {"sampler/tokens": rollout.lengths.sum().astype(jnp.float32),
                  "sampler/entropy": _masked_mean(rollout.entropy, rollout.mask)}
       if spec.oversample > 1:
@@ -391,8 +350,7 @@ def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
   update = make_update_fn(spec, optimizer, learning_rate_fn, mesh=mesh)
 
   def step(state: TrainState, prompt_ids, prompt_mask):
-    state, key = state.next_rng()
-    rollout = generate(state.model_params(), key, prompt_ids, prompt_mask)
+    rollout = generate(state.model_params(), rollout_key(state.rng, state.step), prompt_ids, prompt_mask)
     with shd.activate(mesh):
       rollout = rollout.with_rewards(*reward_fn(rollout.tokens, rollout.lengths))
     return update(state, rollout)

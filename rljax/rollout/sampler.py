@@ -1,28 +1,29 @@
-"""In-graph sampler: one prefill per prompt, G completions per prompt, KV cache, exact log-probs.
+"""The single-turn sampler: one prefill per prompt, G completions per prompt, KV cache, exact log-probs.
 
 Shapes: P = prompts, G = completions per prompt (`num_samples`), B = P * G rows,
 Lp = prompt width, T = `max_new_tokens`, V = vocab.
 
 `sample` is a pure function of arrays (jit it with `config` and `sp` static; the trainer calls it
-inside its step); `generate` is the convenience entry point for a `Policy`. The algorithm:
+inside its step); `rljax.generate` (rljax/rollout/generation.py) is the convenience entry point for a
+`Policy`; `SamplerProducer` is the trainer's producer around it. The algorithm:
 
 1. Prefill: every prompt runs once through the model, filling a prompt cache of Lp slots
    ([P, ...]). Prompts may be left-padded (the house convention), right-padded, or have holes:
    a row's tokens are the entries whose `prompt_mask` is set, positions count only those
    tokens, and the first new token is predicted from the last real one.
 2. Share: the G rows of a prompt (rows are prompt-major: row r belongs to prompt r // G) read
-   that prompt cache, read-only, while decoding; it is never copied per row. Each row gets its
-   own completion cache, and the first-token logits are repeated G times. Prompts are never
-   repeated before prefill.
+   that prompt cache (`PrefixCache`), read-only, while decoding; it is never copied per row.
+   Each row gets its own completion cache (`DecodeCache`), and the first-token logits are
+   repeated G times. Prompts are never repeated before prefill.
 3. Decode: `lax.while_loop`, one token per iteration for all B rows ([B, 1, V] logits), token t
    written at completion slot t - 1. A row attends to its prompt's slots, then its own. A row
    stops after emitting any stop id (the EOS ids plus `stop_token_ids`); the loop ends when every
-   row has stopped or T tokens were made. The loop runs the model's own `DecoderLayer` once per
-   layer (`decode_step`) on one cache array per layer, with the stacked layer weights sliced
-   once before the loop. Decoding runs in up to 4 cache stages (one `while_loop` each,
-   `stage_ends`); the completion cache is grown between them, so a step reads its stage's end
-   slots rather than all T: at T = 128, 5/8 of them on average. Each token is chosen and
-   recorded by `rljax.decode.choose`, the choice the multi-turn engine makes too.
+   row has stopped or T tokens were made. The loop runs the model's `Transformer.decode` on one
+   cache per layer, with the stacked layer weights sliced once before the loop (`CachedModel`).
+   Decoding runs in up to 4 cache stages (one `while_loop` each, `stage_ends`); the completion
+   cache is grown between them, so a step reads its stage's end slots rather than all T: at
+   T = 128, 5/8 of them on average. Each token is chosen and recorded by
+   `rljax.rollout.decode.choose`, the choice the segment engine makes too.
 
 The recorded distribution (what the learner recomputes, verl/TRL convention): with
 `tau = sp.logprob_temperature`, `logp = log_softmax(logits / tau)` over the full vocabulary.
@@ -47,14 +48,13 @@ import numpy as np
 from flax import struct
 
 from rljax import sharding as shd
-from rljax.decode import (DecodeState, SamplingParams, choose, decode_step, effective_temperature, empty_caches,
-                          is_int, pad_token_id, prefill, sample_logits, split_cache, split_layers)
 from rljax.errors import ConfigError
+from rljax.models.cache import DecodeCache, PrefixCache
 from rljax.models.config import ModelConfig
-from rljax.padding import left_pad
-
-__all__ = ["SampleOutput", "SamplingParams", "check_lengths", "default_stop_ids", "effective_temperature", "generate",
-           "sample", "sample_logits", "stage_ends"]
+from rljax.models.policy import init_params, param_logical_axes
+from rljax.rollout.decode import CachedModel, DecodeState, choose, pad_token_id
+from rljax.rollout.draw import SamplingParams
+from rljax.rollout.types import Rollout, RolloutInfo, by_rows
 
 # The completion cache grows in up to this many stages of at least _MIN_STAGE tokens each.
 _STAGES = 4
@@ -96,8 +96,11 @@ class SampleOutput:
     g = self.num_samples
     return jax.tree.map(lambda x: x.reshape((x.shape[0] // g, g) + x.shape[1:]), self)
 
-
-# ---- the sampler ----------------------------------------------------------------------------
+  def rollout(self) -> Rollout:
+    """The samples as the learner's `Rollout` (every completion token is the model's)."""
+    return Rollout.single_turn(prompt_ids=self.prompt_ids, prompt_mask=self.prompt_mask, tokens=self.tokens,
+                               mask=self.mask, logprobs=self.logprobs, entropy=self.entropy, lengths=self.lengths,
+                               truncated=self.truncated, group_size=self.num_samples)
 
 
 def check_lengths(config: ModelConfig, sp: SamplingParams, prompt_len: int) -> None:
@@ -153,8 +156,6 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
   rows = lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-  layer_k = lambda x: constrain(x, ("batch", "kv_heads", "head_dim", "length"))
-  layer_v = lambda x: constrain(x, ("batch", "kv_heads", "length", "head_dim"))
 
   prompt_ids = rows(jnp.asarray(prompt_ids, jnp.int32))
   prompt_mask = rows(jnp.asarray(prompt_mask, bool))
@@ -162,20 +163,18 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
 
   # 1. Prefill, once per prompt, through the learner's forward. Its cache is the prompt cache
   # that the G rows of the prompt share (read-only) while decoding.
-  cache, logits = prefill(config, params, prompt_ids, prompt_mask, width, constrain)
-  pks, pvs = split_cache(config, cache)
-  prefix = (tuple(map(layer_k, pks)), tuple(map(layer_v, pvs)), rows(cache.kv_mask))
+  model = CachedModel(config, params)
+  cache, logits = model.prefill(prompt_ids, prompt_mask, width, constrain)
+  prefix = PrefixCache.from_kv(cache).constrain(constrain)
 
   # 2. Fan out the first-token logits to G rows per prompt; each row gets its own completion
   # cache (one array per layer), sized to the first cache stage.
   fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis, total_repeat_length=x.shape[axis] * g)
   ends = stage_ends(t_new)
-  ks, vs, kv_mask = empty_caches(config, b, ends[0])
-  ks, vs, kv_mask = tuple(map(layer_k, ks)), tuple(map(layer_v, vs)), rows(kv_mask)
+  rows_cache = DecodeCache.init(config, b, ends[0]).constrain(constrain)
   logits = rows(fan(logits))
   prompt_len = fan(prompt_len)
   active = rows(prompt_len > 0)
-  layer_params = split_layers(params["layers"], config.num_layers)
 
   def choose_column(state, logits, t):
     """Column t of the rows not done, with key fold_in(rng, t)."""
@@ -187,25 +186,22 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
 
   # 3. Decode: one token per iteration, until every row is done. The completion cache grows in
   # stages, so a step attends over the slots written so far (rounded up to its stage), not all T.
+  # Token t is written at slot t - 1: the cache's index follows t.
   def cond(carry):
-    t, _, _, _, _, state = carry
+    t, _, _, state = carry
     return (t < end) & ~jnp.all(state.done)
 
   def body(carry):
-    t, tok, ks, vs, kv_mask, state = carry
-    logits, ks, vs, kv_mask = decode_step(config, params, layer_params, tok, prompt_len + t - 1, ~state.done, ks,
-                                          vs, kv_mask, t - 1, prefix)
+    t, tok, cache, state = carry
+    logits, cache = model.step(tok, prompt_len + t - 1, ~state.done, cache, prefix)
     state, tok = choose_column(state, rows(logits), t)
-    return (t + 1, tok, tuple(map(layer_k, ks)), tuple(map(layer_v, vs)), rows(kv_mask), state)
+    return (t + 1, tok, cache.constrain(constrain), state)
 
-  carry = (jnp.int32(1), tok, ks, vs, kv_mask, state)
+  carry = (jnp.int32(1), tok, rows_cache, state)
   for k, end in enumerate(ends):
     if k:   # grow the cache to this stage's slots (a copy per stage, not per step)
-      grow = end - ends[k - 1]
-      t, tok, ks, vs, kv_mask, state = carry
-      ks = tuple(layer_k(jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, grow)))) for x in ks)
-      vs = tuple(layer_v(jnp.pad(x, ((0, 0), (0, 0), (0, grow), (0, 0)))) for x in vs)
-      carry = (t, tok, ks, vs, rows(jnp.pad(kv_mask, ((0, 0), (0, grow)))), state)
+      t, tok, cache, state = carry
+      carry = (t, tok, cache.grow(end - ends[k - 1]).constrain(constrain), state)
     carry = jax.lax.while_loop(cond, body, carry)
   state = carry[-1]
   lengths = jnp.sum(state.mask, axis=-1, dtype=jnp.int32)
@@ -223,99 +219,65 @@ def stage_ends(t_new: int) -> tuple[int, ...]:
   return tuple(-(-t_new * (k + 1) // n) for k in range(n))
 
 
-_sample_jit = jax.jit(sample, static_argnames=("config", "sp", "eos_ids", "mesh", "rules"))
-
-# ---- convenience entry point ----------------------------------------------------------------
-
-_BUCKET = 16
+# ---- the trainer's single-turn producer ---------------------------------------------------------
 
 
-def generate(policy, prompt_ids, sp: SamplingParams, rng, prompt_mask=None, *, eos_ids: Sequence[int] | None = None,
-             mesh: jax.sharding.Mesh | None = None) -> SampleOutput:
-  """Samples `sp.num_samples` completions per prompt with a `Policy`.
+def make_generate_fn(spec, mesh: jax.sharding.Mesh | None = None, *, decode_budget_bytes: int | None = None):
+  """The single-turn sampler of a train step (`spec`: trainer/step.py StepSpec), as a pure function
+  `generate(params, key, prompt_ids [P*O, Lp], prompt_mask) -> Rollout` of P*O*G rows.
 
-  prompt_ids: [P, Lp] ints with `prompt_mask` [P, Lp] (None = every entry is a token), or a list
-  of P token-id lists of any lengths (left-padded here). rng: a PRNG key or an int seed.
-  eos_ids: default `default_stop_ids(policy)`: the model's EOS ids and the tokenizer's stop ids.
-  mesh: default the mesh the parameters are sharded on, if any.
-
-  Prompt widths are left-padded up to a multiple of 16 so nearby lengths share one compiled
-  program (compiled once per config, sampling params, shapes and mesh). Returns a SampleOutput
-  with [P * G, ...] rows; `out.grouped()` gives [P, G, ...] views, e.g. `out.grouped().tokens`.
-  Raises ConfigError on empty prompts, out-of-vocabulary ids, or prompts too long for the context.
+  Traced with `mesh` and the logical-axis rules in scope, so every per-row array and the KV cache
+  are split by rows over (data, fsdp). decode_budget_bytes: see `decode_params` (None: half the
+  device's memory, as it reports it).
   """
-  config: ModelConfig = policy.config
-  if not isinstance(sp, SamplingParams):
-    raise ConfigError(f"sp must be a SamplingParams, got {type(sp).__name__}.")
-  sp.validate()
-  ids, mask = _host_prompts(prompt_ids, prompt_mask, config.pad_token_id)
-  n_real = mask.sum(-1)
-  empty = np.flatnonzero(n_real == 0)
-  if empty.size:
-    raise ConfigError(f"prompt {int(empty[0])} is empty (no token has prompt_mask set); every prompt needs at "
-                      "least one token, for example a BOS token or a chat template.")
-  ctx = config.max_position_embeddings
-  longest = int(n_real.max())
-  if longest > ctx:
-    raise ConfigError(f"prompt {int(n_real.argmax())} has {longest} tokens, longer than the model's context "
-                      f"(model.max_position_embeddings={ctx}); truncate it.")
-  bad = (ids < 0) | (ids >= config.vocab_size)
-  if np.any(bad & mask):
-    r, c = np.argwhere(bad & mask)[0]
-    raise ConfigError(f"prompt {r} has token id {ids[r, c]} outside the vocabulary [0, {config.vocab_size}).")
-  # Left-pad the real tokens to the bucket width, without passing the context.
-  width = min(-(-longest // _BUCKET) * _BUCKET, max(longest, ctx - sp.max_new_tokens))
-  ids, mask = left_pad([r[m] for r, m in zip(ids, mask)], config.pad_token_id, width, dtype=np.int64)
-  check_lengths(config, sp, ids.shape[1])
 
-  if eos_ids is None:
-    eos_ids = default_stop_ids(policy)
+  def generate(params, key, prompt_ids, prompt_mask) -> Rollout:
+    with shd.activate(mesh):
+      out = sample(spec.model, decode_params(spec.model, params, mesh, decode_budget_bytes), prompt_ids,
+                   prompt_mask, spec.sampling, key, eos_ids=spec.eos_ids, mesh=mesh)
+    return out.rollout()
+
+  return generate
+
+
+def decode_params(model: ModelConfig, params, mesh, budget_bytes: int | None = None):
+  """The sampler's copy of the parameters, made once per step device to device: matrices in the
+  compute dtype (vectors such as norm scales stay as stored: the learner applies them in float32
+  too), laid out by `shd.DECODE_RULES`: replicated over data and fsdp, split over tensor, so a
+  decoded token all-gathers no weights (the learner's fsdp layout would gather every layer's
+  weights for every token). Falls back to also sharding `embed` over fsdp when the replicated
+  copy would take more than half a device's memory (`budget_bytes`, default: read from the device;
+  `rljax plan` passes it for deviceless chips, which report none)."""
   if mesh is None:
-    mesh = _params_mesh(policy.params)
-  if not isinstance(rng, jax.Array):
-    rng = jax.random.key(int(rng))
-  ids_j, mask_j = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool)
-  if mesh is not None:
-    ids_j = jax.device_put(ids_j, shd.batch_sharding(mesh, 2, ids.shape[0]))
-    mask_j = jax.device_put(mask_j, shd.batch_sharding(mesh, 2, ids.shape[0]))
-  return _sample_jit(config, policy.params, ids_j, mask_j, sp, rng, tuple(int(i) for i in eos_ids), mesh=mesh)
+    return params
+  cast = jax.tree.map(lambda p: p.astype(model.compute_dtype) if p.ndim >= 2 else p, params)
+  budget = budget_bytes
+  if budget is None:
+    try:
+      stats = mesh.devices.flat[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - deviceless (ahead-of-time) devices have no memory stats
+      stats = {}
+    budget = stats.get("bytes_limit", 0) // 2 or None
+  layout = shd.decode_param_shardings(param_logical_axes(model), cast, mesh, max_bytes_per_device=budget)
+  return jax.lax.with_sharding_constraint(cast, layout)
 
 
-def default_stop_ids(policy) -> tuple[int, ...]:
-  """The model's `eos_token_ids` plus the tokenizer's stop ids (EOS and end-of-turn tokens)."""
-  ids = set(policy.config.eos_token_ids)
-  tok = policy.tokenizer
-  if tok is not None:
-    extra = getattr(tok, "stop_ids", None)
-    if extra is None:
-      extra = [getattr(tok, "eos_id", None), getattr(tok, "eos_token_id", None)]
-    ids.update(int(i) for i in extra if is_int(i))
-  return tuple(sorted(ids))
+class SamplerProducer:
+  """The single-turn sampler as a producer (`rljax.rollout.types.Producer`): one jitted program,
+  prompts drawn onto `mesh` by rows, every rollout array split by rows there."""
 
+  def __init__(self, spec, mesh: jax.sharding.Mesh, prompts: int):
+    """spec: the StepSpec; prompts: P*O, the prompts of one call (all processes)."""
+    self.sharding = shd.batch_sharding(mesh, 2, prompts)
+    generate = make_generate_fn(spec, mesh)
+    # Unconstrained, XLA may leave the rollout (and the work producing it) on one device.
+    shapes = jax.eval_shape(generate, jax.eval_shape(lambda: init_params(spec.model, jax.random.key(0))),
+                            jax.random.key(0), jax.ShapeDtypeStruct((prompts, 1), np.int32),
+                            jax.ShapeDtypeStruct((prompts, 1), bool))   # any prompt width: the same ranks
+    self._generate = jax.jit(generate, out_shardings=by_rows(mesh, shapes))
 
-def _host_prompts(prompt_ids, prompt_mask, pad_id):
-  """numpy ids [P, Lp] int64 and mask [P, Lp] bool from an array (+ mask) or ragged lists."""
-  if isinstance(prompt_ids, (list, tuple)) and prompt_ids and not np.isscalar(prompt_ids[0]):
-    rows = [np.asarray(r, np.int64).reshape(-1) for r in prompt_ids]
-    if prompt_mask is None and len({len(r) for r in rows}) > 1:
-      return left_pad(rows, pad_id, dtype=np.int64)
-  ids = np.asarray(prompt_ids)
-  if ids.ndim == 1:
-    ids = ids[None]
-  if ids.ndim != 2 or ids.shape[0] < 1:
-    raise ConfigError(f"prompt_ids has shape {ids.shape}; pass [P, Lp] token ids (P >= 1) or a list of lists.")
-  if ids.size and not np.issubdtype(ids.dtype, np.integer):
-    raise ConfigError(f"prompt_ids has dtype {ids.dtype}; pass integer token ids.")
-  ids = ids.astype(np.int64)
-  mask = np.ones(ids.shape, bool) if prompt_mask is None else np.asarray(prompt_mask).astype(bool).reshape(ids.shape[0], -1)
-  if mask.shape != ids.shape:
-    raise ConfigError(f"prompt_mask has shape {mask.shape} but prompt_ids has {ids.shape}.")
-  return ids, mask
-
-
-def _params_mesh(params) -> jax.sharding.Mesh | None:
-  for leaf in jax.tree.leaves(params):
-    s = getattr(leaf, "sharding", None)
-    if isinstance(s, jax.sharding.NamedSharding) and s.mesh.size > 1:
-      return s.mesh
-  return None
+  def __call__(self, params, key, prompts) -> tuple[Rollout, RolloutInfo]:
+    """Returns as soon as the generation is dispatched (the arrays are not waited for)."""
+    batch = prompts.next(self.sharding)
+    rollout = self._generate(params, key, batch.ids, batch.mask)
+    return rollout, RolloutInfo(examples=list(batch.examples), data_state=batch.data_state, prompt_len=batch.width)

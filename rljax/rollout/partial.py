@@ -1,0 +1,184 @@
+"""Partial rollouts (rollout.mode='partial', docs/rollouts.md): one long completion does not hold
+a batch.
+
+`PartialProducer` keeps a pool of P * oversample prompt groups (G rows each) and decodes it in
+segments (rljax/rollout/segments.py). A call ends as soon as P groups have all their rows
+finished; those P groups (oldest first) are the call's rollout, and the unfinished groups are
+carried into the next call with their tokens and behaviour log-probs. Fresh prompts from the feed
+refill the pool.
+
+Every row of the pool is prefilled at the start of a call (new groups too: G rows of one prompt
+are prefilled G times here, unlike the single-turn sampler, because carried rows have their own
+histories). A carried group resumes from its history (`segments.restart`) under the newer
+parameters and decodes on, so a trajectory mixes policy versions token by token. The update
+corrects for it like the other off-policy modes: lp_old is recomputed (or, with
+rollout.proximal='sampler', the sampler's) and each token's truncated IS weight uses the log-prob
+recorded when that token was drawn.
+
+The producer counts its calls: a group is as old as the calls since it was drawn from the feed,
+and the rollout reports its oldest group's age (`RolloutInfo.age`). One update follows each
+call, so a group `max_staleness` calls old would be trained that many versions late: a carried
+group that would be older than that when trained is dropped and counted.
+
+Groups in flight (carried or waiting) are not saved in checkpoints: a resumed run starts with
+an empty pool (counted in groups_dropped of the run that drops them: they are simply never
+trained).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import sharding as shd
+from rljax.rollout import segments
+from rljax.rollout.types import Rollout, RolloutInfo, by_rows
+
+
+@dataclasses.dataclass
+class Group:
+  """One prompt and its G completions so far (host arrays)."""
+  prompt: np.ndarray          # [n] the prompt's tokens
+  example: dict
+  born: int                   # the producer call that drew it from the feed
+  tokens: np.ndarray          # [G, T] int32
+  logprobs: np.ndarray        # [G, T] float32, recorded when each token was drawn
+  entropy: np.ndarray         # [G, T] float32
+  lengths: np.ndarray         # [G] int32
+  done: np.ndarray            # [G] bool
+  stopped: np.ndarray         # [G] bool: ended with a stop token
+  rounds: int = 0             # calls it has been generated in
+
+  @property
+  def complete(self) -> bool:
+    return bool(self.done.all())
+
+
+class PartialProducer:
+  """The pool of partial rollouts as a producer (`rljax.rollout.types.Producer`; module doc).
+
+  spec: the StepSpec (model, sampling, prompts P, group G); oversample: pool size in units of P;
+  width: the prompt width of every rollout (data.max_prompt_tokens: one compiled update);
+  max_staleness: the oldest a group may be when trained; pad_id: the tokenizer's pad id.
+  `counts` accumulates groups_trained / carried / dropped and tokens_carried over the calls.
+  """
+
+  def __init__(self, spec, mesh: jax.sharding.Mesh, *, oversample: int, width: int, max_staleness: int,
+               pad_id: int = 0):
+    self.spec, self.mesh = spec, mesh
+    self.p, self.g = spec.prompts, spec.group
+    self.pool_size = self.p * oversample
+    self.t_new = spec.sampling.max_new_tokens
+    self.width, self.max_staleness, self.pad = width, max_staleness, int(pad_id)
+    self.seg = segments.SegmentParams(segment_tokens=min(32, max(8, self.t_new // 8)))
+    self.stop_ids = tuple(spec.sampling.stop_token_ids)
+    self.calls = 0
+    self.pool: list[Group] = []
+    self.waiting: list[Group] = []
+    self.data_state: dict = {}
+    self.counts = {"groups_trained": 0, "groups_carried": 0, "groups_dropped": 0, "tokens_carried": 0}
+
+  def __call__(self, params, key, prompts) -> tuple[Rollout, RolloutInfo]:
+    self._fill(prompts)
+    segments_run, decode_steps = self._round(params, key)
+    groups = self._take()
+    self.counts["groups_trained"] += len(groups)
+    age = self.calls - min(grp.born for grp in groups)
+    metrics = {
+        "rollout/segments": float(segments_run),
+        "rollout/decode_steps": float(decode_steps),     # tokens drawn per row this call, at most
+        "rollout/groups_carried": float(sum(not grp.complete for grp in self.pool)),
+        "rollout/groups_waiting": float(len(self.waiting)),
+        "rollout/rounds_mean": float(np.mean([grp.rounds for grp in groups])),
+        "rollout/groups_dropped_total": float(self.counts["groups_dropped"]),
+        "rollout/tokens_carried_total": float(self.counts["tokens_carried"]),
+    }
+    self.calls += 1
+    return self._rollout(groups), RolloutInfo(examples=[grp.example for grp in groups], data_state=self.data_state,
+                                              prompt_len=self.width, metrics=metrics, age=age)
+
+  def _new_group(self, ids, mask, example) -> Group:
+    g, t = self.g, self.t_new
+    return Group(prompt=np.asarray(ids)[np.asarray(mask, bool)], example=example, born=self.calls,
+                 tokens=np.full((g, t), self.pad, np.int32), logprobs=np.zeros((g, t), np.float32),
+                 entropy=np.zeros((g, t), np.float32), lengths=np.zeros(g, np.int32), done=np.zeros(g, bool),
+                 stopped=np.zeros(g, bool))
+
+  def _fill(self, prompts) -> None:
+    while len(self.pool) < self.pool_size:
+      if not self.waiting:
+        batch, self.data_state = prompts.next_host()
+        self.waiting = [self._new_group(i, m, e) for i, m, e in zip(batch.prompt_ids, batch.prompt_mask,
+                                                                     batch.examples)]
+      self.pool.append(self.waiting.pop(0))
+
+  def _round(self, params, key) -> tuple[int, int]:
+    """Generates on the pool until P groups are complete; returns (segments run, decode steps)."""
+    c, sp, g = self.spec.model, self.spec.sampling, self.g
+    b = self.pool_size * g
+    rows = [(grp, r) for grp in self.pool for r in range(g)]
+    hist = [np.concatenate([grp.prompt, grp.tokens[r, :grp.lengths[r]]]) for grp, r in rows]
+    width = -(-max(len(h) for h in hist) // segments.FEED_BUCKET) * segments.FEED_BUCKET
+    ids, mask = np.full((b, width), self.pad, np.int32), np.zeros((b, width), bool)
+    for i, h in enumerate(hist):
+      ids[i, width - len(h):], mask[i, width - len(h):] = h, True
+    stack = lambda f: np.concatenate([f(grp) for grp in self.pool])
+    lengths = stack(lambda x: x.lengths)
+    filled = np.arange(self.t_new)[None, :] < lengths[:, None]
+    put = lambda x: jax.device_put(jnp.asarray(x), shd.batch_sharding(self.mesh, np.ndim(x), b))
+    state = segments.SegmentState.init(c, b, self.t_new).replace(
+        tokens=put(stack(lambda x: x.tokens)), logprobs=put(stack(lambda x: x.logprobs)),
+        entropy=put(stack(lambda x: x.entropy)), n=put(lengths), mask=put(filled),
+        done=put(stack(lambda x: x.done)), stopped=put(stack(lambda x: x.stopped)))
+    static = (c, sp, self.seg, self.stop_ids)
+    state = segments.restart(*static, params, state, key, put(ids), put(mask), slots=self.t_new)
+    run = 0
+    while True:
+      state = segments.segment(*static, params, state, key)
+      run += 1
+      done = np.asarray(jax.device_get(state.done)).reshape(self.pool_size, g)
+      if done.all(1).sum() >= self.p or done.all():
+        break
+    tok, lp, ent, n, stopped, count = (np.asarray(x) for x in jax.device_get(
+        (state.tokens, state.logprobs, state.entropy, state.n, state.stopped, state.count)))
+    for k, grp in enumerate(self.pool):
+      sl = slice(k * g, (k + 1) * g)
+      grp.tokens, grp.logprobs, grp.entropy = tok[sl], lp[sl], ent[sl]
+      grp.lengths, grp.done, grp.stopped = n[sl], done[k], stopped[sl]
+      grp.rounds += 1
+    return run, int(count)
+
+  def _take(self) -> list[Group]:
+    """The P oldest complete groups leave the pool; carried groups too old to train are dropped."""
+    picked = [grp for grp in self.pool if grp.complete][:self.p]
+    rest = [grp for grp in self.pool if not any(grp is q for q in picked)]
+    # One update follows this call: a carried group would be at least calls + 1 - born versions old
+    # when it is trained.
+    keep = [grp for grp in rest if self.calls + 1 - grp.born <= self.max_staleness]
+    self.counts["groups_dropped"] += len(rest) - len(keep)
+    carried = [grp for grp in keep if not grp.complete]
+    self.counts["groups_carried"] += len(carried)
+    self.counts["tokens_carried"] += int(sum(grp.lengths.sum() for grp in carried))
+    self.pool = keep
+    return picked
+
+  def _rollout(self, groups: list[Group]) -> Rollout:
+    """The Rollout of P groups: rows prompt-major, prompts left-padded to `width`, split by rows."""
+    g, w = self.g, self.width
+    n_rows = len(groups) * g
+    ids, mask = np.full((n_rows, w), self.pad, np.int32), np.zeros((n_rows, w), bool)
+    for k, grp in enumerate(groups):
+      ids[k * g:(k + 1) * g, w - len(grp.prompt):] = grp.prompt
+      mask[k * g:(k + 1) * g, w - len(grp.prompt):] = True
+    cat = lambda f: np.concatenate([f(grp) for grp in groups])
+    lengths = cat(lambda x: x.lengths)
+    model = np.arange(self.t_new)[None, :] < lengths[:, None]
+    rollout = Rollout.single_turn(
+        prompt_ids=ids, prompt_mask=mask, tokens=cat(lambda x: x.tokens), mask=model,
+        logprobs=np.where(model, cat(lambda x: x.logprobs), 0.0).astype(np.float32),
+        entropy=np.where(model, cat(lambda x: x.entropy), 0.0).astype(np.float32),
+        lengths=lengths.astype(np.int32), truncated=(lengths == self.t_new) & ~cat(lambda x: x.stopped),
+        group_size=g)
+    return jax.device_put(rollout, by_rows(self.mesh, rollout))

@@ -1,0 +1,156 @@
+"""The async rollout mode (config.rollout.mode='async', docs/rollouts.md): the device mesh is split
+into a generator part and a learner part. A generator thread streams rollouts through a scorer
+thread into a bounded queue; the learner (the caller's thread) takes whole batches and publishes
+parameters to the generators every sync_every updates by a device-to-device reshard. The
+generators run at most max_staleness versions ahead of the learner.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import jax
+
+from rljax.errors import RljaxError
+from rljax.models import lora
+from rljax.models.policy import param_shardings
+from rljax.rollout.sampler import SamplerProducer
+from rljax.trainer import modes
+from rljax.trainer.rollouts import Decoupled, RolloutError, RunContext, StepOutput, rows_on
+from rljax.trainer.state import TrainState
+
+_POLL_S = 0.1           # how often a blocked thread checks for shutdown
+
+
+class AsyncRollouts(Decoupled):
+  """A generator thread and a scorer thread feed the learner through bounded queues (module doc)."""
+
+  mode = modes.MODES["async"]
+
+  def __init__(self, ctx: RunContext, state: TrainState):
+    producer = SamplerProducer(ctx.spec, ctx.generator_mesh, ctx.batch_rows)
+    super().__init__(ctx, state, producer, generator_mesh=ctx.generator_mesh)
+    r = ctx.rollout_cfg
+    self.sync_every = r.sync_every
+    self.gen_param_shardings = param_shardings(ctx.spec.model, self.generator_mesh)
+    self.cond = threading.Condition()
+    self._gen_base = None
+    self.published = (self.publish_params(state), self.version)
+    self.to_score: queue.Queue = queue.Queue(maxsize=1)
+    self.ready: queue.Queue = queue.Queue(maxsize=r.queue_size)
+    self.stopping = threading.Event()
+    self.error: tuple[str, BaseException] | None = None
+    self.threads: list[threading.Thread] = []
+    self.feed = None
+
+  def publish_params(self, state: TrainState):
+    """The learner's parameters resharded onto the generator devices (device to device). Under
+    LoRA the frozen base is copied once and only the adapters at each sync."""
+    if state.frozen is None:
+      params = jax.device_put(state.params, self.gen_param_shardings)
+    else:
+      base_sh, adapter_sh = lora.split(self.gen_param_shardings)
+      if self._gen_base is None:
+        self._gen_base = jax.block_until_ready(jax.device_put(state.frozen, base_sh))
+      params = lora.join(self._gen_base, jax.device_put(state.params, adapter_sh))
+    return jax.block_until_ready(params)   # the learner's next update donates the source buffers
+
+  def _start(self, feed) -> None:
+    self.feed = feed
+    for name, fn in (("generator", self._generate_loop), ("scorer", self._score_loop)):
+      th = threading.Thread(target=self._guard, args=(name, fn), name=f"rljax-{name}", daemon=True)
+      th.start()
+      self.threads.append(th)
+
+  def _guard(self, name: str, fn) -> None:
+    try:
+      fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the learner's thread, which raises it
+      self.error = (name, e)
+      self.stopping.set()
+      with self.cond:
+        self.cond.notify_all()
+
+  def _put(self, q: queue.Queue, item, who: str) -> bool:
+    start = time.perf_counter()
+    while not self.stopping.is_set():
+      try:
+        q.put(item, timeout=_POLL_S)
+        self.idle[who] += time.perf_counter() - start
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def _get(self, q: queue.Queue, who: str):
+    start = time.perf_counter()
+    while not self.stopping.is_set():
+      try:
+        item = q.get(timeout=_POLL_S)
+        self.idle[who] += time.perf_counter() - start
+        return item
+      except queue.Empty:
+        continue
+    return None
+
+  def _generate_loop(self) -> None:
+    while self.next_index < self.steps and not self.stopping.is_set():
+      need = self.next_index - self.max_staleness
+      start = time.perf_counter()
+      with self.cond:
+        self.cond.wait_for(lambda: self.stopping.is_set() or self.published[1] >= need)
+        params, version = self.published
+      self.idle["generator"] += time.perf_counter() - start
+      if self.stopping.is_set():
+        return
+      item = self.finish_generation(self.draw(self.feed, params, version))
+      if not self._put(self.to_score, item, "generator"):
+        return
+
+  def _score_loop(self) -> None:
+    while not self.stopping.is_set():
+      item = self._get(self.to_score, "scorer")
+      if item is None or not self._put(self.ready, self.score(item), "scorer"):
+        return
+
+  def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
+    if not self.threads:
+      self._start(feed)
+    t0 = time.perf_counter()
+    item = None
+    while item is None:
+      if self.error is not None:
+        name, err = self.error
+        if isinstance(err, RljaxError):
+          raise err
+        raise RolloutError(f"the {name} thread failed: {err!r}; the run stops and keeps its last good "
+                           "checkpoint.") from err
+      try:
+        item = self.ready.get(timeout=_POLL_S)
+      except queue.Empty:
+        if self.stopping.is_set() and self.error is None:
+          raise RolloutError("the rollout threads stopped before the run finished.")
+    t1 = time.perf_counter()
+    self.idle["learner"] += t1 - t0
+    depth = self.ready.qsize()
+    # Device to device: the rollout moves from the generator devices to the learner's.
+    rollout = rows_on(self.learner_mesh, item.rollout)
+    state, metrics, staleness = self.train(state, item, rollout)
+    if self.version % self.sync_every == 0:
+      params = self.publish_params(state)
+      with self.cond:
+        self.published = (params, self.version)
+        self.cond.notify_all()
+    t2 = time.perf_counter()
+    phases = {"sample": t1 - t0, "score": item.score_s, "update": t2 - t1}
+    return state, self.output(item, metrics, t2 - t0, phases, staleness, depth)
+
+  def close(self) -> None:
+    """Stops the threads; batches generated but never trained are counted in counts['batches_dropped']."""
+    self.stopping.set()
+    with self.cond:
+      self.cond.notify_all()
+    for th in self.threads:
+      th.join(timeout=60)
+    super().close()
