@@ -35,6 +35,7 @@ from benchlib import Result, machine, markdown  # noqa: E402
 BENCHMARKS = (
     ("forward", "bench_forward.py", ()),
     ("generate", "bench_generate.py", ()),
+    ("evaluation", "bench_eval.py", ()),
     ("rewards", "bench_rewards.py", ()),
     ("logprobs memory", "bench_logprobs_memory.py", ()),
     ("rollout modes", "bench_rollouts.py", ()),

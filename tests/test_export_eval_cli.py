@@ -105,6 +105,7 @@ def test_eval_maps_columns_with_its_own_flag_and_batch_size_changes_nothing(tiny
     rc, stdout, err = run(capsys, *base, "--fields", '{"prompt": "question", "answer": "solution"}',
                           "--batch-size", str(size), "--out", str(out))
     assert rc == 0, err
+    assert "scoring" not in err                            # --quiet: no status lines, no bar
     assert "generated tokens/s" in stdout
     metrics = json.loads(stdout[:stdout.rindex("}") + 1])
     assert metrics["tokens_per_s"] > 0

@@ -69,7 +69,8 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
   progress bar counts the examples, and the result is printed when it ends (all on stderr), so a
   long evaluation is never a silent one.
   """
-  from rljax import compile_stats, progress
+  from rljax import compile_stats
+  from rljax import progress as heartbeat
   label = label or "eval"
   batch_prompts = max(1, min(batch_prompts, num_examples))
   bar = _Progress(label, num_examples, samples, enabled=progress)
@@ -95,7 +96,7 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
       mask = np.concatenate([mask, np.repeat(mask[-1:], batch_prompts - n, 0)])
     key, sub = jax.random.split(key)
     start = time.perf_counter()
-    with progress.phase(f"{label}: generating {n * samples} completions"):
+    with heartbeat.phase(f"{label}: generating {n * samples} completions"):
       out = jax.device_get(run(params, ids, mask, sub))
     seconds += time.perf_counter() - start
     rows = n * samples
