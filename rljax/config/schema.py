@@ -236,7 +236,7 @@ SCHEMA = Section(
         max_new_tokens=Field(0, "completion length limit (0 = sampling.max_new_tokens)"),
         before_and_after=Field(True, "evaluate before the first step and after the last"),
         allow_training_data=Field(False, "evaluate even where the test split reads the training file (on purpose)"),
-        batch_size=Field(0, "completions decoded at once (0 = a training step's rows, at least 64); greedy results "
+        batch_size=Field(0, "completions decoded at once (0 = a training step's rows, at least 128); greedy results "
                          "do not depend on it"),
     ),
     output=Section(

@@ -23,7 +23,7 @@ from rljax.data import PromptBatcher
 from rljax.errors import ConfigError, DataError
 
 
-DEFAULT_BATCH_ROWS = 64   # `rljax eval --batch-size`: completions decoded at once
+DEFAULT_BATCH_ROWS = 128   # `rljax eval --batch-size`: completions decoded at once
 
 
 @functools.lru_cache(maxsize=8)
