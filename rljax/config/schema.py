@@ -190,6 +190,8 @@ SCHEMA = Section(
         dynamic_sampling=Field(False, "DAPO: drop zero-variance groups, refill from oversampled prompts"),
         oversample=Field(None, "with dynamic_sampling: prompts sampled = prompts_per_step * oversample (default 2); "
                          "refused without it", placeholder=int),
+        stop_signals=Field(["SIGINT", "SIGTERM"], "signals that stop the run after the step in progress, with a "
+                           "checkpoint (a second one exits at once); [] = die at once, the default behaviour"),
     ),
     rollout=Section(
         "How generation, scoring and updates are scheduled (docs/rollouts.md).",
@@ -243,6 +245,8 @@ SCHEMA = Section(
         max_new_tokens=Field(0, "completion length limit (0 = sampling.max_new_tokens)"),
         before_and_after=Field(True, "evaluate before the first step and after the last"),
         allow_training_data=Field(False, "evaluate even where the test split reads the training file (on purpose)"),
+        batch_size=Field(0, "completions decoded at once (0 = a training step's rows, at least 128); greedy results "
+                         "do not depend on it"),
     ),
     output=Section(
         "what the run writes into output.dir",
@@ -251,6 +255,13 @@ SCHEMA = Section(
         export_dtype=Field("bfloat16", "dtype of the exported weights"),
         tensorboard=Field(True, "write TensorBoard event files (<dir>/tb)"),
         progress=Field(True, "show progress bars"),
+        wandb=Section(
+            "Weights & Biases logging beside metrics.jsonl and TensorBoard (optional: pip install wandb)",
+            project=Field("", 'the W&B project to log to ("" = off)'),
+            name=Field("", 'the run\'s name in W&B ("" = the output.dir name)'),
+            entity=Field("", 'the W&B team or user ("" = your default)'),
+            mode=Field("online", "online | offline (logs under <dir>/wandb; `wandb sync` uploads them later)"),
+        ),
     ),
 )
 

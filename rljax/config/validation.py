@@ -28,6 +28,7 @@ ROLLOUT_MODES = tuple(modes.MODES)
 PROXIMAL = ("recompute", "sampler")   # the off-policy modes' lp_old (docs/rollouts.md)
 # The compute dtypes a run trains in (ModelConfig also takes float16, for inference).
 MODEL_DTYPES = ("float32", "bfloat16")
+WANDB_MODES = ("online", "offline")
 
 
 def _positive(c, path: str, value, allow_zero=False):
@@ -87,10 +88,33 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_tools(c)
   if c.eval.samples < 1:
     raise ConfigError(f"config.eval.samples={c.eval.samples} must be >= 1.")
+  _positive(c, "eval.batch_size", c.eval.batch_size, allow_zero=True)
   _validate_eval_data(c)
   _validate_lora_rank(c)
   _validate_batch_axes(c)
   _validate_rewards(c)
+  _validate_run_control(c)
+
+
+def _validate_run_control(c: ml_collections.ConfigDict) -> None:
+  """Stop signals, and the optional Weights & Biases logging."""
+  from rljax.trainer.stopping import parse_signals
+  signals = c.train.stop_signals
+  if not isinstance(signals, (list, tuple)):
+    raise ConfigError(f"config.train.stop_signals={signals!r} must be a list of signal names, e.g. "
+                      "['SIGINT', 'SIGTERM'] (or [] for the default behaviour).")
+  parse_signals(signals)
+  w = c.output.wandb
+  if w.mode not in WANDB_MODES:
+    raise ConfigError(f"config.output.wandb.mode={w.mode!r} is not one of {WANDB_MODES}.")
+  if w.project:
+    import importlib.util
+    if importlib.util.find_spec("wandb") is None:
+      raise ConfigError(f"config.output.wandb.project={w.project!r} logs to Weights & Biases, which is not "
+                        "installed: pip install wandb (or 'rljax[wandb]'), or set output.wandb.project=''.")
+  elif w.name or w.entity:
+    raise ConfigError("config.output.wandb.name / entity are set but output.wandb.project is empty, so nothing "
+                      "would be logged to Weights & Biases: set output.wandb.project too, or leave them empty.")
 
 
 def _validate_group_size(c: ml_collections.ConfigDict) -> None:
@@ -217,6 +241,11 @@ def _validate_tools(c: ml_collections.ConfigDict) -> None:
   if tl.format == "python" and names != ["python"]:
     raise ConfigError(f"config.tools.format='python' runs ```python blocks in the interpreter; it takes "
                       f"tools.names=['python'], got {names}. Use format='hermes' for named tools.")
+  from rljax.tools.executor import resolve_tools
+  try:
+    resolve_tools(names)
+  except ConfigError as e:
+    raise ConfigError(f"config.tools.names={names}: {e}") from None
   for name in ("max_turns", "segment_tokens", "max_response_tokens", "max_memory_mb"):
     _positive(c, f"tools.{name}", tl[name])
   _positive(c, "tools.slots", tl.slots, allow_zero=True)

@@ -1,6 +1,7 @@
 """The outer training loop: set up, resume, step, log, evaluate, checkpoint, export."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,6 +41,16 @@ class TrainingStopped(RljaxError):
 
 class DataExhausted(TrainingStopped):
   """The training data ran out before train.steps; a checkpoint of the last step is saved first."""
+
+
+class Interrupted(TrainingStopped):
+  """A stop signal (config.train.stop_signals) stopped the run; a checkpoint of its last step is saved.
+
+  `signum`: the signal (None: stopped otherwise); `step`: the step saved (0: nothing was trained)."""
+
+  def __init__(self, message: str, *, signum: int | None = None, step: int = 0):
+    super().__init__(message)
+    self.signum, self.step = signum, step
 
 
 class PromptFeed:
@@ -304,23 +315,78 @@ class Trainer:
     return out
 
   def run(self) -> dict[str, Any]:
-    c = self.config
+    """Trains to config.train.steps and does what follows the last step (the evaluation after
+    training, the final checkpoint, the export), then writes `summary.json`. A run resumed at its
+    last step (stopped after its last checkpoint) only does what follows.
+
+    Holds the run directory's lock throughout (a second run into it stops at once). The first of
+    config.train.stop_signals stops the run after the step it is in, with a checkpoint, and raises
+    `Interrupted`; a second one exits at once (trainer/stopping.py)."""
+    from rljax.trainer.runlock import RunLock
     writing = jax.process_index() == 0
+    with RunLock(self.out_dir) if writing else contextlib.nullcontext(), self._stop_signals() as stop:
+      self._stop = stop
+      try:
+        return self._run(stop, writing)
+      finally:
+        self._stop = None
+
+  def _stop_signals(self):
+    from rljax.trainer.stopping import StopSignals
+    return StopSignals(self.config.train.stop_signals, multi_process=jax.process_count() > 1,
+                       on_first=self._stop_message)
+
+  def _stop_message(self, signum: int) -> str:
+    import signal
+    name = signal.Signals(signum).name
+    return (f"rljax: {name} received: the run stops after the step in progress and saves a checkpoint "
+            f"(send it again{' (Ctrl-C)' if name == 'SIGINT' else ''} to exit at once, losing the steps since the "
+            "last checkpoint).")
+
+  def _interrupted(self, stop, step: int, what: str) -> "Interrupted":
+    """The Interrupted error after a stop at `step` (a checkpoint of it saved, unless step is 0)."""
+    import signal
+    name = signal.Signals(stop.signum).name if stop.signum else "a stop request"
+    saved = (f"checkpoint of step {step} in {self.ckpt.directory}" if step else
+             "no checkpoint (no step had been trained)")
+    return Interrupted(f"stopped by {name} {what}; {saved}. Run the same command again to "
+                       f"{'resume' if step else 'start'}.", signum=stop.signum, step=step)
+
+  def _run(self, stop, writing: bool) -> dict[str, Any]:
+    from rljax import progress
+    from rljax.trainer import rundir
+    from rljax.trainer.stopping import StopRequested
+    c = self.config
     if writing:   # the run dir's record of its config: written when training starts, never by a dry run
-      from rljax.trainer import rundir
       rundir.write_config(c, self.out_dir)
+    finishing = self.start_step >= c.train.steps
     writer = MetricsWriter(self.out_dir, tensorboard=c.output.tensorboard, writing=writing,
-                           start_step=self.start_step)
+                           start_step=self.start_step, wandb=c.output.wandb.to_dict(),
+                           config=json.loads(config_lib.to_json(c)))
+    if finishing and writing:   # an earlier attempt may have logged the evaluation after training
+      rundir.drop_eval_rows(writer.path, c.train.steps)
     summary: dict[str, Any] = {"output_dir": self.out_dir}
+    evaluating = c.eval.before_and_after and self.eval_data is not None
     try:
-      if c.eval.before_and_after and self.eval_data is not None and self.start_step == 0:
-        summary["eval_before"] = self.evaluate("before")
+      if evaluating and self.start_step == 0:
+        try:
+          summary["eval_before"] = self.evaluate("before")
+        except StopRequested:
+          raise self._interrupted(stop, 0, "during the evaluation before training") from None
         writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
+      elif evaluating and writing:
+        before = rundir.logged_eval(writer.path, 0)
+        if before is not None:
+          summary["eval_before"] = before
       for hook in self.hooks:
         hook.start(self, writer)
       for step in range(self.start_step, c.train.steps):
+        what = f"step {step + 1} of {c.train.steps}"
+        if step == self.start_step:
+          what += ": the first step compiles its programs"
         try:
-          m = self.run_step()
+          with progress.phase(what):
+            m = self.run_step()
         except DataExhausted:
           self.save(force=True)   # keep everything trained so far, then stop
           raise
@@ -331,20 +397,34 @@ class Trainer:
               f"(config.optim.max_consecutive_skips={c.optim.max_consecutive_skips}); the run stopped. The last "
               f"good checkpoint is in {self.ckpt.directory}. Lower optim.learning_rate or check the rewards.")
         info = StepInfo(step=step + 1, metrics=m, last=step + 1 == c.train.steps)
-        for hook in self.hooks:
-          if hook.every and info.step % hook.every == 0:
-            hook.fn(self, info)
+        try:
+          for hook in self.hooks:
+            if hook.every and info.step % hook.every == 0:
+              hook.fn(self, info)
+        except StopRequested:
+          pass   # an evaluation ended early; the step itself is complete and is saved below
+        if stop.stop_after(info.step):
+          self.save()   # a no-op when the checkpoint hook has just saved this step
+          raise self._interrupted(stop, info.step, f"after step {info.step} of {c.train.steps}")
       for hook in self.hooks:
         hook.finish(self)
-      if c.eval.before_and_after and self.eval_data is not None:
-        summary["eval_after"] = self.evaluate("after")
+      if evaluating:
+        try:
+          summary["eval_after"] = self.evaluate("after")
+        except StopRequested:
+          self.save(force=True)
+          raise self._interrupted(stop, c.train.steps, "during the evaluation after training") from None
         writer.write(c.train.steps, {f"eval/{k}": v for k, v in summary["eval_after"].items()
                                      if isinstance(v, float)})
-      self.save(summary.get("eval_after"), force=True)
-      self.ckpt.wait()
+      with progress.phase("saving the final checkpoint"):
+        self.save(summary.get("eval_after"), force=True)
+        self.ckpt.wait()
       summary["checkpoint_dir"] = self.ckpt.directory
-      if c.output.export_hf and jax.process_index() == 0:
-        summary["hf_dir"] = self.export()
+      if stop.requested:
+        raise self._interrupted(stop, c.train.steps, "before the export")
+      if c.output.export_hf and writing:
+        with progress.phase(f"exporting to {os.path.join(self.out_dir, 'hf')}"):
+          summary["hf_dir"] = self.export()
     finally:
       self.close()
       writer.close()
@@ -353,24 +433,33 @@ class Trainer:
     summary["metrics_file"] = writer.path
     if c.output.tensorboard:
       summary["tensorboard_dir"] = os.path.join(self.out_dir, "tb")
+    if c.output.wandb.project:
+      summary["wandb_dir"] = os.path.join(self.out_dir, "wandb")
+    if writing:   # last of all: a run with summary.json has done everything (rundir.check_resume)
+      rundir.write_summary(self.out_dir, c.train.steps, summary)
     return summary
 
   # ---- evaluation, checkpoints, export -------------------------------------------------------
 
   def evaluate(self, tag: str) -> dict[str, Any]:
-    from rljax.trainer.evaluate import evaluate_policy
+    from rljax.trainer.evaluate import evaluate_policy, prompts_per_batch
     c = self.config
+    # eval.batch_size completions at once; 0: as many as a training step samples, at least 128 (the
+    # default run's 128 examples in one batch: 2/3 of the CPU time of 8 at a time, and both cores busy).
+    rows = c.eval.batch_size or max(128, self.batch_rows * self.sp.num_samples)
+    stop = getattr(self, "_stop", None)
     return evaluate_policy(
         self.model_config, self.state.model_params(), self.tokenizer, self.eval_data, self.scorer.pool,
         num_examples=c.eval.num_examples, samples=c.eval.samples,
         sampling=sampling_params(c, self.tokenizer, num_samples=c.eval.samples, temperature=c.eval.temperature,
                                  max_new_tokens=c.eval.max_new_tokens or None),
         tool_rollout=self.tool_rollout if c.tools.enabled else None, prompt_tools=self.prompt_tools,
-        max_prompt_tokens=c.data.max_prompt_tokens, batch_prompts=max(c.train.prompts_per_step, 8),
+        max_prompt_tokens=c.data.max_prompt_tokens,
+        batch_prompts=prompts_per_batch(rows, c.eval.samples, c.eval.num_examples),
         out_path=os.path.join(self.out_dir, f"eval_{tag}.jsonl"), seed=c.train.seed,
         label={"before": "eval before training", "after": "eval after training"}.get(
             tag, "eval at " + tag.replace("step", "step ")),
-        progress=c.output.progress and jax.process_index() == 0)
+        progress=c.output.progress and jax.process_index() == 0, stop=stop.check if stop is not None else None)
 
   def save(self, eval_metrics=None, force=False):
     extras = {"data": self.data_state, "config": json.loads(config_lib.to_json(self.config)),
@@ -396,11 +485,12 @@ class Trainer:
       params = jax.device_get(self.state.params)
       save_pretrained(Policy(self.model_config, params, tokenizer=self.tokenizer), out, dtype=dtype)
       return out
+    from rljax.models.builtin import peft_base_name
     from rljax.models.lora_io import save_peft_adapter
     base, adapters = jax.device_get((self.state.frozen, self.state.params))
     merged = lora.merge(self.model_config, base, adapters)
     save_pretrained(Policy(self.model_config.replace(lora=None), merged, tokenizer=self.tokenizer), out, dtype=dtype)
     save_peft_adapter(self.model_config, adapters, os.path.join(self.out_dir, "peft"),
-                      base_model_name_or_path=self.config.model.path)
+                      base_model_name_or_path=peft_base_name(self.config.model.path))
     return out
 
