@@ -1,5 +1,6 @@
 """The pipelined and async rollout modes (rljax/trainer/rollouts.py) against the fused step."""
 import os
+import signal
 import textwrap
 
 import jax
@@ -120,13 +121,6 @@ def verifier_module(tmp_path, monkeypatch):
         time.sleep(delay_s)
         return vowel_fraction(completion, example)
 
-      def kills_its_pool_once(completion, example, marker=""):
-        # The first call SIGKILLs the pool's zygote (this worker's parent); the worker dies with it.
-        if marker and not os.path.exists(marker):
-          open(marker, "w").close()
-          os.kill(os.getppid(), signal.SIGKILL)
-          time.sleep(5)
-        return vowel_fraction(completion, example)
   """))
   monkeypatch.setenv("PYTHONPATH", str(mod) + os.pathsep + os.environ.get("PYTHONPATH", ""))
   monkeypatch.syspath_prepend(str(mod))
@@ -161,23 +155,21 @@ def test_async_staleness_bound_holds_under_a_slow_verifier(tmp_path, verifier_mo
   assert trainer.runner.counts["batches_dropped"] == 0
 
 
-def test_async_pool_crash_loses_no_batches(tmp_path, verifier_module):
-  """The verifier pool's zygote is killed mid-batch, and later the whole pool dies: every batch is trained."""
+def test_async_pool_crash_loses_no_batches(tmp_path):
+  """The verifier pool's zygote is SIGKILLed (from outside: a verifier cannot reach it, workers run in
+  their own PID namespace), and later the whole pool dies: every batch is trained."""
   steps = 4
   cfg = smoke(tmp_path, "rollout.mode='async'", f"train.steps={steps}", "rewards.timeout_s=10.0")
-  cfg.rewards.components = [dict(name="vowels", verifier=f"{verifier_module}:kills_its_pool_once", weight=1.0,
-                                 kwargs=dict(marker=str(tmp_path / "killed")))]
   trainer = Trainer(cfg)
   try:
+    os.kill(trainer.scorer.pool._zygote.pid, signal.SIGKILL)   # before the first batch is scored
     got = [trainer.run_step() for _ in range(2)]
+    replaced = trainer.scorer.pool.totals["zygote_restarts"]
     trainer.scorer.pool.close()   # the pool is gone: the scorer must restart it and rescore, not drop the batch
     got += [trainer.run_step() for _ in range(steps - 2)]
   finally:
     trainer.close()
-  assert os.path.exists(tmp_path / "killed")
-  # The zygote kill was seen: its workers were restarted. The item that killed it kills only once,
-  # so its lone re-run scores and nothing is convicted as a crash (rljax/rewards/pool.py).
-  assert sum(m.get("verifier/restarts", 0) for m in got) >= 1
+  assert replaced >= 1                                                       # the dead zygote was replaced
   assert max(m["rollout/score_attempts"] for m in got) >= 2                 # rescored on a fresh pool
   assert all(np.isfinite(m["loss"]) for m in got) and len(got) == steps
   assert trainer.runner.counts == {"batches_generated": steps, "batches_trained": steps, "batches_dropped": 0}

@@ -130,8 +130,8 @@ def logprobs(rec: Recorder, ctx: Context) -> None:
   cases = [("fp32", "float32", None), ("fp32, matmul precision highest", "float32", "highest"),
            ("bf16", "bfloat16", None)]
   from rljax.models.policy import init_params
-  from rljax.plan.programs import model_config
-  mc, _ = model_config(load_run_config(_gap_overrides(ctx, "float32")))
+  from rljax.trainer.setup import read_model_config
+  mc, _, _ = read_model_config(load_run_config(_gap_overrides(ctx, "float32")))
   params = jax.device_get(jax.jit(lambda k: init_params(mc, k))(jax.random.key(0)))
   params = jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, params)
   for label, dtype, precision in cases:
