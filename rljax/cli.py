@@ -130,7 +130,8 @@ def _real_start(cfg, overwrite: bool) -> str:
   out = cfg.output.dir
   owner = holder(out)
   if owner is not None:
-    return f"a real start would stop now: {out} is in use by process {owner.get('pid', '?')} ({owner.get('command', '')})"
+    return (f"a real start would stop now: {out} is in use by process {owner.get('pid', '?')} "
+            f"({owner.get('command', '')})")
   try:
     run = rundir.check_resume(cfg, overwrite=overwrite)
   except rundir.RunFinished as e:
@@ -139,7 +140,8 @@ def _real_start(cfg, overwrite: bool) -> str:
     return f"a real start would stop here: {e}"
   if run.start_over:
     outputs = ", ".join(os.path.basename(p) for p in rundir.run_outputs(out))
-    return (f"a real start would delete the earlier run's outputs in {out} (latest checkpoint: step {run.latest_step}): "
+    return (f"a real start would delete the earlier run's outputs in {out} (latest checkpoint: step "
+            f"{run.latest_step}): "
             f"{outputs}")
   if run.finishing:
     return f"a real start would complete the run in {out} (it reached step {run.latest_step}; its end is missing)"
@@ -273,7 +275,8 @@ def _print_summary(summary) -> None:
   if summary.get("tensorboard_dir"):
     print(f"{'TensorBoard':>22}: tensorboard --logdir {summary['tensorboard_dir']}")
   if summary.get("wandb_dir"):
-    print(f"{'Weights & Biases':>22}: {summary['wandb_dir']} (offline runs: wandb sync {summary['wandb_dir']}/offline-run-*)")
+    print(f"{'Weights & Biases':>22}: {summary['wandb_dir']} (offline runs: wandb sync "
+          f"{summary['wandb_dir']}/offline-run-*)")
 
 
 def cmd_config(argv: Sequence[str]) -> int:
@@ -339,6 +342,7 @@ def cmd_generate(argv: Sequence[str]) -> int:
   args = parser.parse_args(argv)
   import jax
   import numpy as np
+
   import rljax
   from rljax import progress
   print(f"rljax generate: loading {args.model} ...", file=sys.stderr, flush=True)

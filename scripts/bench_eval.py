@@ -19,8 +19,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import rljax  # noqa: E402
 from benchlib import Result, add_json_arg, report  # noqa: E402
+
+import rljax  # noqa: E402
 from rljax import compile_stats  # noqa: E402
 from rljax.configs import default as default_recipe  # noqa: E402
 from rljax.data import build_dataset  # noqa: E402
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
         outputs[label] = (times, compile_stats.counts()["compile_seconds"] - compiled, metrics, f.read())
       print(f"{label}: {size} prompts at a time: {times[0]:.1f} s, then {times[1]:.1f} s "
             f"(compiling {outputs[label][1]:.1f} s); {metrics['tokens_per_s']:.0f} tokens/s", flush=True)
-  (tb, cb, mb, rows_b), (tn, cn, mn, rows_n) = outputs["before"], outputs["now"]
+  (tb, _, mb, rows_b), (tn, _, mn, rows_n) = outputs["before"], outputs["now"]
   if rows_b != rows_n:
     raise SystemExit("the two batch sizes gave different completions (greedy results must not depend on it)")
   what = f"{args.num_examples} greedy examples x {args.max_new_tokens} tokens"

@@ -153,8 +153,7 @@ def run_tunix(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> di
   import jax
   import optax
   import transformers
-  from tunix.models.llama3 import model as llama
-  from tunix.models.llama3 import params as llama_params
+  from tunix.models.llama3 import model as llama, params as llama_params
   from tunix.rl import rl_cluster as rlc
   from tunix.rl.grpo import grpo_learner
   from tunix.rl.rollout import base_rollout
@@ -166,7 +165,8 @@ def run_tunix(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> di
   cfg = llama.ModelConfig(
       num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
       hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"],
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf["rope_theta"]),
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+      num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf["rope_theta"]),
       norm_eps=hf["rms_norm_eps"], weight_tying=hf.get("tie_word_embeddings", False))
   auto = jax.sharding.AxisType.Auto  # Tunix's models expect auto-sharded meshes (make_mesh defaults to Explicit)
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(auto, auto))
@@ -186,7 +186,8 @@ def run_tunix(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> di
           rollout_engine="vanilla", offload_to_cpu=False,
           training_config=rlc.RLTrainingConfig(
               actor_optimizer=optax.adamw(1e-5), eval_every_n_steps=10**6, max_steps=steps + 1,
-              mini_batch_size=PROMPTS, train_micro_batch_size=2, rollout_micro_batch_size=PROMPTS, compute_logps_micro_batch_size=2),
+              mini_batch_size=PROMPTS, train_micro_batch_size=2, rollout_micro_batch_size=PROMPTS,
+              compute_logps_micro_batch_size=2),
           rollout_config=base_rollout.RolloutConfig(
               max_tokens_to_generate=NEW_TOKENS, max_prompt_length=64, kv_cache_size=64 + NEW_TOKENS + 8,
               temperature=1.0, top_p=1.0, top_k=None, eos_tokens=[-1])))  # -1: no stop token, as on the other sides
@@ -288,7 +289,8 @@ def main(argv=None):
   results.append(Result(f"{work}: sampler slot utilisation ({slots} decode slots, {r['decode_steps']:.0f} decode "
                         "steps; tokens made / slots x steps)", f"{r['slot_utilisation']:.0%}"))
   for q in peers:
-    results.append(Result(f"{work}: peak RSS", f"{r['peak_rss_gib']:.1f} GiB", f"{q['side']} {q['peak_rss_gib']:.1f} GiB",
+    results.append(Result(f"{work}: peak RSS", f"{r['peak_rss_gib']:.1f} GiB", f"{q['side']} {q['peak_rss_gib']:.1f} "
+                                                                               f"GiB",
                           f"{r['peak_rss_gib'] / q['peak_rss_gib']:.2f}x the memory"))
   return report(results, args.json)
 

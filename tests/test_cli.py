@@ -178,7 +178,8 @@ def test_dry_run_builds_whatever_the_run_dir_holds_and_writes_nothing(tmp_path, 
   fake_run(out, "output.progress=False")                  # a finished run; its config differs in an allowed field
   (out / "metrics.jsonl").write_text('{"step": 20, "loss": 1.0}\n')
   before = snapshot(out)
-  for extra, note in ((["--config.rollout.mode=pipelined"], 'a real start would stop here: .* rollout.mode: "fused" -> "pipelined"'),
+  for extra, note in ((["--config.rollout.mode=pipelined"], 'a real start would stop here: .* rollout.mode: "fused" '
+                                                            '-> "pipelined"'),
                       ([], "a real start would do nothing: the run in .* is finished"),
                       (["--overwrite"], "a real start would delete the earlier run's outputs in .*: .*checkpoints")):
     assert cli.main(["train", "--config", SMOKE, f"--config.output.dir={out}", *extra, "--dry-run"]) == 0

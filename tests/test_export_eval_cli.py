@@ -94,7 +94,8 @@ def test_eval_maps_columns_with_its_own_flag_and_batch_size_changes_nothing(tiny
                           for i in range(12)))
   base = ["eval", "--model", hf, "--data", str(data), "--verifier", "arithmetic", "--num-examples", "12",
           "--max-new-tokens", "6", "--max-prompt-tokens", "64", "--quiet"]
-  rc, _, err = run(capsys, *base[:-1], "--verifier", "exactt", "--fields", '{"prompt": "question", "answer": "solution"}')
+  rc, _, err = run(capsys, *base[:-1], "--verifier", "exactt", "--fields", '{"prompt": "question", "answer": '
+                                                                           '"solution"}')
   assert rc == 1 and "--verifier exactt: unknown verifier" in err   # before the model loads
   rc, _, err = run(capsys, *base, "--out", str(tmp_path / "e.jsonl"))
   assert rc == 1 and f"--data {data}" in err and "--fields" in err and "data.sources[0]" not in err, err

@@ -43,7 +43,8 @@ def test_config_and_file_mistakes_stop_before_the_model_is_built(tmp_path, capsy
        "cannot import module 'my_verifiers'"),
       ([f"--config.tokenizer={no_template}", "--config.data.chat_template=True"],
        "config.data.chat_template=True, but the tokenizer of config.tokenizer="),
-      ([jsonl_source(rows)], "data.sources[0] (jsonl " + str(rows) + ", split 'train'): 2 of 3 rows malformed (first: "),
+      ([jsonl_source(rows)],
+       "data.sources[0] (jsonl " + str(rows) + ", split 'train'): 2 of 3 rows malformed (first: "),
       ([jsonl_source(long_rows)], "3 of the first 3 prompts are longer than data.max_prompt_tokens=16"),
       (["--config.model.path=/nonexistent/model"], "config.model.path='/nonexistent/model'"),
   ]

@@ -119,6 +119,7 @@ def test_scored_per_shard_once_per_process(pool, shape):
   """With a mesh the callback runs per device on its rows; replicas over the other mesh axes are
   scored once, rewards come back sharded like the rows, equal to scoring the batch directly."""
   from jax.sharding import NamedSharding
+
   from rljax.rewards.callback import local_indices
   mesh = _mesh(shape)
   examples, _, tokens, lengths = _batch()

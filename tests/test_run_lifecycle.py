@@ -156,7 +156,8 @@ def test_a_run_killed_after_its_last_checkpoint_completes_on_rerun(tmp_path, com
   but no evaluation, export or summary; the same command again does exactly those, then says it is
   finished."""
   out = str(tmp_path / "run")
-  args = train_args(out, compile_cache, "--config.train.steps=2", "--config.checkpoint.every=2", "--config.eval.before_and_after=True",
+  args = train_args(out, compile_cache, "--config.train.steps=2", "--config.checkpoint.every=2",
+                    "--config.eval.before_and_after=True",
                     "--config.eval.num_examples=16", "--config.eval.samples=4", "--config.eval.temperature=1.0",
                     "--config.output.export_hf=True")
   run = Live(*args)
@@ -172,7 +173,8 @@ def test_a_run_killed_after_its_last_checkpoint_completes_on_rerun(tmp_path, com
   rerun = Live(*args)
   assert rerun.finish() == 0, rerun.stderr[-3000:]
   assert f"completing the run in {out}: it reached its last step (2)" in rerun.stdout
-  assert re.search(r"held-out accuracy before: [\d.]+% \+- [\d.]+ +after: [\d.]+% \+- [\d.]+", rerun.stdout), rerun.stdout
+  accuracy = r"held-out accuracy before: [\d.]+% \+- [\d.]+ +after: [\d.]+% \+- [\d.]+"
+  assert re.search(accuracy, rerun.stdout), rerun.stdout
   assert "Hugging Face export" in rerun.stdout and os.path.isfile(os.path.join(out, "hf", "config.json"))
   summary = json.load(open(os.path.join(out, rundir.SUMMARY_FILE)))
   assert summary["step"] == 2 and "eval_after" in summary and "eval_before" in summary

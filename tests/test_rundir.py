@@ -115,6 +115,7 @@ def test_run_lock_names_the_holder_and_outlives_no_process(tmp_path):
   lock of a process that died (however) is free again; the holder itself may re-enter."""
   import subprocess
   import sys
+
   from rljax.trainer.runlock import RunDirInUse, RunLock, holder
   out = str(tmp_path / "run")
   hold = ("import sys, time; from rljax.trainer.runlock import RunLock\n"
@@ -123,7 +124,8 @@ def test_run_lock_names_the_holder_and_outlives_no_process(tmp_path):
   try:
     assert proc.stdout.readline().strip() == "held"
     assert holder(out)["pid"] == proc.pid
-    with pytest.raises(RunDirInUse, match=rf"in use by another run: process {proc.pid} on host .*kill -TERM {proc.pid}"):
+    message = rf"in use by another run: process {proc.pid} on host .*kill -TERM {proc.pid}"
+    with pytest.raises(RunDirInUse, match=message):
       with RunLock(out):
         pass
   finally:

@@ -176,7 +176,8 @@ def test_recipe_one_step_dry_run_on_a_tiny_model(tmp_path, name):
   apply_overrides(cfg, [
       "model.path='random'", "tokenizer='smollm2-135m-instruct'", "model.dtype='float32'",
       "model.random.hidden_size=32", "model.random.intermediate_size=64", "model.random.head_dim=8",
-      "sampling.max_new_tokens=8", "data.max_prompt_tokens=192", "train.steps=1", "optim.warmup_steps=0", "train.prompts_per_step=4",
+      "sampling.max_new_tokens=8", "data.max_prompt_tokens=192", "train.steps=1", "optim.warmup_steps=0",
+      "train.prompts_per_step=4",
       f"output.dir={str(tmp_path / 'run')!r}", "output.export_hf=False", "eval.every=0",
       "eval.before_and_after=False", "checkpoint.every=0", "output.progress=False"])
   if cfg.train.mini_batches > 4:

@@ -22,7 +22,6 @@ from rljax import evaluation
 from rljax.data import PromptBatcher
 from rljax.errors import ConfigError, DataError
 
-
 DEFAULT_BATCH_ROWS = 128   # `rljax eval --batch-size`: completions decoded at once
 
 
@@ -69,8 +68,7 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
   progress bar counts the examples, and the result is printed when it ends (all on stderr), so a
   long evaluation is never a silent one.
   """
-  from rljax import compile_stats
-  from rljax import progress as heartbeat
+  from rljax import compile_stats, progress as heartbeat
   label = label or "eval"
   batch_prompts = max(1, min(batch_prompts, num_examples))
   bar = _Progress(label, num_examples, samples, enabled=progress)

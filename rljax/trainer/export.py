@@ -164,6 +164,7 @@ def _export(checkpoint_dir, out_dir: str, step: int | None, dtype: str, fmt: str
 def _export_lora(extras: dict, config: ModelConfig, adapters, where: str, out_dir, dtype: str, fmt: str) -> str:
   """A LoRA checkpoint's adapters, alone in PEFT's layout or merged into the run's base model."""
   import ml_collections
+
   from rljax.config import lora_config
   from rljax.models import lora
   from rljax.models.builtin import peft_base_name

@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 import numpy as np
-
-from checklib import CUDA_ONLY, Context, Recorder, build_workload, load_run_config, median, random_prompts, \
-    replicated_key, timed
+from checklib import (
+  CUDA_ONLY,
+  Context,
+  Recorder,
+  build_workload,
+  load_run_config,
+  median,
+  random_prompts,
+  replicated_key,
+  timed,
+)
 
 
 def _qkv(shape, seed=0):

@@ -15,8 +15,24 @@ import os
 import subprocess
 import sys
 
-from checklib import GIB, RECIPE, ROOT, Context, Recorder, build_workload, finite, load_run_config, median, \
-    memory_stats, override_args, random_prompts, replicated_key, run_overrides, step_flops, timed
+from checklib import (
+  GIB,
+  RECIPE,
+  ROOT,
+  Context,
+  Recorder,
+  build_workload,
+  finite,
+  load_run_config,
+  median,
+  memory_stats,
+  override_args,
+  random_prompts,
+  replicated_key,
+  run_overrides,
+  step_flops,
+  timed,
+)
 
 
 def _settings(ctx: Context, model: str) -> dict:
