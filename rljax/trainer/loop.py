@@ -332,9 +332,10 @@ class Trainer:
         self._stop = None
 
   def _stop_signals(self):
-    from rljax.trainer.stopping import StopSignals
-    return StopSignals(self.config.train.stop_signals, multi_process=jax.process_count() > 1,
-                       on_first=self._stop_message)
+    from rljax.trainer.stopping import StopSignals, any_process_requested
+    multi = jax.process_count() > 1
+    return StopSignals(self.config.train.stop_signals, multi_process=multi,
+                       agree=any_process_requested if multi else None, on_first=self._stop_message)
 
   def _stop_message(self, signum: int) -> str:
     import signal
@@ -346,7 +347,8 @@ class Trainer:
   def _interrupted(self, stop, step: int, what: str) -> "Interrupted":
     """The Interrupted error after a stop at `step` (a checkpoint of it saved, unless step is 0)."""
     import signal
-    name = signal.Signals(stop.signum).name if stop.signum else "a stop request"
+    name = (signal.Signals(stop.signum).name if stop.signum else
+            "a stop signal to another process of the run" if stop.multi_process else "a stop request")
     saved = (f"checkpoint of step {step} in {self.ckpt.directory}" if step else
              "no checkpoint (no step had been trained)")
     return Interrupted(f"stopped by {name} {what}; {saved}. Run the same command again to "
@@ -420,7 +422,7 @@ class Trainer:
         self.save(summary.get("eval_after"), force=True)
         self.ckpt.wait()
       summary["checkpoint_dir"] = self.ckpt.directory
-      if stop.requested:
+      if stop.stop_after(c.train.steps):   # every process decides together (an all-gather)
         raise self._interrupted(stop, c.train.steps, "before the export")
       if c.output.export_hf and writing:
         with progress.phase(f"exporting to {os.path.join(self.out_dir, 'hf')}"):
