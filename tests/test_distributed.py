@@ -117,6 +117,14 @@ def test_fsdp_across_two_processes_matches_one_process(tmp_path, one_process):
   _assert_match(_two_processes(tmp_path / "fsdp", "mesh.shape=(1,-1,1)"), one_process)
 
 
+def test_pipelined_rollouts_across_two_processes_match_one_process(tmp_path, one_process):
+  """rollout.mode='pipelined' (max_staleness=0: the exact schedule) with the batch split over 2
+  processes: each process brings its own rows to the host, scores them and hands the rewards back
+  as its block of the global array; the run equals the one-process fused run."""
+  _assert_match(_two_processes(tmp_path / "pipelined", "rollout.mode='pipelined'", "rollout.max_staleness=0"),
+                one_process)
+
+
 def test_a_stop_signal_on_one_process_stops_both_after_the_same_step(tmp_path):
   """A preemption notice (SIGTERM) that reaches only process 1 stops both processes after the same
   step (they agree through an all-gather of the flag after every step), with one checkpoint of
