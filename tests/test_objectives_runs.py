@@ -112,3 +112,20 @@ def test_distill_from_a_teacher_dir_resumes_exactly_without_saving_the_teacher(t
   assert all(s.mesh.size == 8 for s in shardings)
   saved = os.path.join(straight.ckpt.directory, "3")
   assert not any("teacher" in name for _, dirs, files in os.walk(saved) for name in dirs + files)
+
+
+def test_plan_reads_the_teacher_config_and_counts_it_in_the_state(tmp_path, teacher_dir):
+  """`rljax plan` builds a distillation run as the trainer does: the teacher's config from its directory (no
+  weights read), the teacher in the abstract state, sharded on the mesh."""
+  from rljax.plan.programs import build_run
+  from rljax.trainer.setup import abstract_state
+  cfg = _config("smoke.py", tmp_path / "plan", "train.objective='distill'", f"distill.teacher={teacher_dir!r}")
+  run = build_run(cfg)
+  teacher = rljax.load_pretrained(teacher_dir)
+  assert run.setup.spec.teacher.vocab_size == teacher.config.vocab_size
+  assert run.setup.spec.teacher.num_layers == teacher.config.num_layers
+  mesh = jax.make_mesh((8, 1, 1), ("data", "fsdp", "tensor"))
+  state, shardings = abstract_state(run.setup, mesh)
+  shapes = [x.shape for x in jax.tree.leaves(state.teacher)]
+  assert shapes == [np.shape(x) for x in jax.tree.leaves(teacher.params)]
+  assert jax.tree.structure(shardings.teacher) == jax.tree.structure(state.teacher)

@@ -140,16 +140,27 @@ def check_same_vocabulary(path: str, teacher: ModelConfig, teacher_tok: Tokenize
                       "one vocabulary.")
 
 
-def read_model_config(config: ml_collections.ConfigDict) -> tuple[ModelConfig, str, Tokenizer | None]:
+def read_teacher_config(config: ml_collections.ConfigDict) -> ModelConfig | None:
+  """The distillation teacher's ModelConfig (as `load_teacher` makes it) from its config.json or GGUF header
+  alone, for `rljax plan`; None unless train.objective='distill'."""
+  if config.train.objective != "distill":
+    return None
+  mc, _, _ = read_model_config(config, path=config.distill.teacher)
+  return teacher_model_config(mc, config.model)
+
+
+def read_model_config(config: ml_collections.ConfigDict, path: str | None = None
+                      ) -> tuple[ModelConfig, str, Tokenizer | None]:
   """(ModelConfig, where it was read, the tokenizer or None) of config.model without its weights.
 
   config.model.path: a directory holding config.json (the weights need not be there), a
   config.json file, a .gguf file or built-in name (metadata only), or "random". The tokenizer is
   the one the trainer would load (config.tokenizer, else the model's own) when its files are
-  there; a directory with only config.json has none (`rljax plan` needs no more).
+  there; a directory with only config.json has none (`rljax plan` needs no more). `path`: read that
+  model instead (the distillation teacher; its tokenizer is not loaded).
   """
   m = config.model
-  path = m.path
+  teacher, path = path is not None, m.path if path is None else path
   if path == "random":
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
     return run_model_config(random_model_config(m, tokenizer), m), "random model (config.model.random)", tokenizer
@@ -168,7 +179,9 @@ def read_model_config(config: ml_collections.ConfigDict) -> tuple[ModelConfig, s
                         "config.json (a directory holding it is enough).")
     ckpt = open_gguf(file)
     mc, source, directory, has_tokenizer = ckpt.config, file, file, ckpt.has("tokenizer.ggml.tokens")
-  if config.tokenizer:
+  if teacher:
+    tokenizer = None
+  elif config.tokenizer:
     tokenizer = load_tokenizer(config.tokenizer)
   else:
     tokenizer = load_tokenizer(directory) if has_tokenizer else None
@@ -405,7 +418,7 @@ def reward_components(config: ml_collections.ConfigDict) -> int:
 
 __all__ = [
     "Setup", "abstract_state", "build", "by_rows", "check_same_vocabulary", "generate_program", "init_state",
-    "load_policy", "load_teacher", "param_dtype", "teacher_model_config",
+    "load_policy", "load_teacher", "param_dtype", "read_teacher_config", "teacher_model_config",
     "prompt_sharding", "random_model_config", "read_model_config", "reward_components", "run_model_config",
     "sampling_params", "stand_in_reward_fn", "state_shardings", "train_step_program", "update_program",
     "with_model",
