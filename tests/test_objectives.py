@@ -5,15 +5,18 @@ distillation's zero point (teacher = student) and its reverse-KL gradient agains
 the errors that name their field. One tiny model, one compiled update per objective.
 """
 import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tokenizers
 
 import rljax
 from rljax.config import base_config, validate
+from rljax.config_overrides import load_config_file
 from rljax.data import build_dataset
 from rljax.errors import ConfigError, DataError
 from rljax.models.policy import apply_model, init_params
@@ -23,6 +26,7 @@ from rljax.objectives.sft_data import SftBatcher
 from rljax.rl import LossConfig, make_denominators, policy_loss
 from rljax.rollout.draw import SamplingParams
 from rljax.rollout.types import Rollout
+from rljax.tokenizer import Tokenizer
 from rljax.trainer.setup import check_same_vocabulary
 from rljax.trainer.state import TrainState
 from rljax.trainer.step import StepSpec, make_update_fn
@@ -63,14 +67,15 @@ def _spec(model, objective, group=1, prompts=4, loss=CE, **kw):
 def test_sft_loss_and_gradient_equal_transformers_cross_entropy(tmp_path):
   """The sft update's loss (token mean over the target tokens, temperature 1 whatever sampling.temperature)
   equals torch's cross-entropy of a transformers model on the same masked tokens (fp32, 1e-5), and its
-  gradient norm equals torch's."""
+  gradient norm equals torch's (the update split into two micro-batches)."""
   import torch
   model = hf_model("llama")
   model.save_pretrained(tmp_path / "hf")
   policy = rljax.load_pretrained(str(tmp_path / "hf"))
   ro = _rollout()
   opt = _opt(optax.sgd, 0.0)
-  _, metrics = jax.jit(make_update_fn(_spec(policy.config, "sft"), opt))(TrainState.create(policy.params, opt, 0), ro)
+  spec = _spec(policy.config, "sft", micro_batches=2)   # two micro-batches sum to the step's loss and gradient
+  _, metrics = jax.jit(make_update_fn(spec, opt))(TrainState.create(policy.params, opt, 0), ro)
 
   seq = np.concatenate([ro.prompt_ids, ro.tokens], 1)
   seq_mask = np.concatenate([ro.prompt_mask, ro.mask], 1)
@@ -109,12 +114,13 @@ def _tiny_model():
 
 def test_rft_trains_only_on_rows_whose_reward_reaches_the_threshold():
   """With SGD at lr 1 the rft update moves the parameters by minus the gradient of an independent
-  cross-entropy (naive log-softmax) over the kept rows' tokens only; rejected rows contribute nothing."""
+  cross-entropy (naive log-softmax) over the kept rows' tokens only; rejected rows contribute nothing. The
+  update runs in two micro-batches (one group each), so this also shows they sum to the whole step's."""
   mc = _tiny_model()
   params = init_params(mc, jax.random.key(0))
   ro = _rollout(rows=4, group=2, rewards=[1.0, 0.0, 0.5, 1.5])   # min_reward 1.0 keeps rows 0 and 3
   opt = _opt(optax.sgd, 1.0)
-  update = jax.jit(make_update_fn(_spec(mc, "rft", group=2, prompts=2, min_reward=1.0), opt))
+  update = jax.jit(make_update_fn(_spec(mc, "rft", group=2, prompts=2, min_reward=1.0, micro_batches=2), opt))
   state, metrics = update(TrainState.create(params, opt, 0), ro)
   keep = np.array([True, False, False, True])
   assert float(metrics["rft/kept_fraction"]) == 0.5 and float(metrics["rft/kept_rows"]) == 2
@@ -237,9 +243,6 @@ def test_objective_settings_are_refused_by_name():
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_naming_distill_teacher():
-  import tokenizers
-
-  from rljax.tokenizer import Tokenizer
   mc = _tiny_model()
   with pytest.raises(ConfigError, match=r"config\.distill\.teacher='t'.*fewer than the student's"):
     check_same_vocabulary("t", mc.replace(vocab_size=VOCAB // 2), None, mc, None)
@@ -249,3 +252,11 @@ def test_a_teacher_with_another_vocabulary_is_refused_naming_distill_teacher():
   check_same_vocabulary("t", mc, a, mc, words({"<unk>": 0, "one": 1, "two": 2}))   # the same: accepted
   with pytest.raises(ConfigError, match=r"config\.distill\.teacher='t': its tokenizer is not the student's"):
     check_same_vocabulary("t", mc, b, mc, a)
+
+
+@pytest.mark.parametrize("name", ["sft_arithmetic.py", "rl_after_sft.py", "distill_arithmetic.py"])
+def test_stage_recipes_validate(name):
+  """The stage recipes (run on a tiny model in test_objectives_runs.py for sft) are valid configs."""
+  cfg = load_config_file(os.path.join(os.path.dirname(__file__), "..", "rljax", "configs", name))
+  validate(cfg)
+  assert cfg.train.objective == {"sft_arithmetic.py": "sft", "rl_after_sft.py": "rl"}.get(name, "distill")

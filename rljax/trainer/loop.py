@@ -16,6 +16,8 @@ from rljax.config.validation import check_batch_mesh
 from rljax.data import PromptBatcher, build_dataset
 from rljax.errors import ConfigError, RljaxError
 from rljax.models import lora
+from rljax.objectives.sft import SftRunner
+from rljax.objectives.sft_data import SftBatcher
 from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
 from rljax.rewards.routing import source_verifiers_from_data
 from rljax.rollout.tools import ToolRollout, TurnParams
@@ -155,7 +157,6 @@ class Trainer:
         tools=self.tool_rollout(self.sp) if c.tools.enabled else None,
         pad_id=int(self.tokenizer.pad_id or 0), max_prompt_tokens=c.data.max_prompt_tokens)
     if c.train.objective == "sft":   # the targets come from the data: no producer, the same update
-      from rljax.objectives.sft import SftRunner
       return SftRunner(ctx, self.state)
     return make_runner(ctx, self.state)
 
@@ -190,7 +191,6 @@ class Trainer:
     self.train_data = build_dataset(data_cfg, split="train", process_index=pi, process_count=pc,
                                     shard_block=local_prompts)
     if c.train.objective == "sft":   # prompts with their target responses (rljax/objectives/sft_data.py)
-      from rljax.objectives.sft_data import SftBatcher
       self.batcher = SftBatcher(self.train_data, self.tokenizer, prompts_per_batch=local_prompts,
                                 max_prompt_tokens=c.data.max_prompt_tokens, max_target_tokens=c.sampling.max_new_tokens,
                                 response_template=c.sft.response_template)
@@ -283,7 +283,10 @@ class Trainer:
     host["time/step"] = out.seconds
     host.update({f"time/{phase}": s for phase, s in out.phases.items()})
     host["throughput/tokens_per_s"] = m["sampler/tokens"] / max(out.seconds, 1e-9)
-    host["data/filtered_too_long"] = float(self.batcher.stats().get("filtered_too_long", 0))
+    stats = self.batcher.stats()
+    host["data/filtered_too_long"] = float(stats.get("filtered_too_long", 0))
+    if "response_too_long" in stats:   # sft: targets longer than sampling.max_new_tokens, skipped
+      host["data/response_too_long"] = float(stats["response_too_long"])
     compiled = compile_stats.counts()   # every XLA compilation of the process: a few per prompt-width bucket
     host["compile/count"], host["compile/seconds"] = compiled["compiles"], compiled["compile_seconds"]
     clash = sorted(set(m) & set(host))
