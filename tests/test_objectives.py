@@ -67,7 +67,7 @@ def _spec(model, objective, group=1, prompts=4, loss=CE, **kw):
 def test_sft_loss_and_gradient_equal_transformers_cross_entropy(tmp_path):
   """The sft update's loss (token mean over the target tokens, temperature 1 whatever sampling.temperature)
   equals torch's cross-entropy of a transformers model on the same masked tokens (fp32, 1e-5), and its
-  gradient norm equals torch's (the update split into two micro-batches)."""
+  gradient norm equals torch's (the update split into two micro-batches; and packed)."""
   import torch
   model = hf_model("llama")
   model.save_pretrained(tmp_path / "hf")
@@ -93,6 +93,10 @@ def test_sft_loss_and_gradient_equal_transformers_cross_entropy(tmp_path):
   assert float(metrics["nll"]) == pytest.approx(ce.item(), rel=1e-5, abs=1e-5)
   assert float(metrics["num_tokens"]) == int(np.asarray(ro.mask).sum())
   assert float(metrics["grad_norm"]) == pytest.approx(grad_norm, rel=1e-4)
+  # The packed update (train.pack_tokens: real tokens only, rows packed into blocks) gives the same loss.
+  packed = _spec(policy.config, "sft", pack_tokens=2 * (ro.prompt_ids.shape[1] + ro.tokens.shape[1]))
+  _, metrics = jax.jit(make_update_fn(packed, opt))(TrainState.create(policy.params, opt, 0), ro)
+  assert float(metrics["loss"]) == pytest.approx(ce.item(), rel=1e-5, abs=1e-5)
 
 
 def test_ce_aggregation_token_mean_and_sequence_mean():
