@@ -88,12 +88,13 @@ def test_rft_keeps_only_rows_reaching_min_reward(tmp_path):
     trainer.close()
 
 
-@pytest.fixture
-def teacher_dir(tmp_path):
-  """A tiny random model with the smoke recipe's sizes and tokenizer but another seed, exported."""
-  cfg = _config("smoke.py", tmp_path / "unused", "model.random.seed=7")
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+  """A tiny random model with the smoke recipe's sizes and tokenizer but another seed, exported (once)."""
+  out = tmp_path_factory.mktemp("teacher")
+  cfg = _config("smoke.py", out / "unused", "model.random.seed=7")
   policy = load_policy(cfg.model, cfg.tokenizer)
-  return str(save_pretrained(Policy(policy.config, policy.params, tokenizer=policy.tokenizer), tmp_path / "teacher"))
+  return str(save_pretrained(Policy(policy.config, policy.params, tokenizer=policy.tokenizer), out / "hf"))
 
 
 def test_distill_from_a_teacher_dir_resumes_exactly_without_saving_the_teacher(tmp_path, teacher_dir):
