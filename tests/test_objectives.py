@@ -264,3 +264,21 @@ def test_stage_recipes_validate(name):
   cfg = load_config_file(os.path.join(os.path.dirname(__file__), "..", "rljax", "configs", name))
   validate(cfg)
   assert cfg.train.objective == {"sft_arithmetic.py": "sft", "rl_after_sft.py": "rl"}.get(name, "distill")
+
+
+def test_distill_reward_weight_adds_the_reward_advantage_per_token():
+  """distill.reward_weight = w adds w * A_i (the rows' reward advantage) to every token's advantage: with the
+  teacher equal to the student (reverse-KL part 0) the loss and gradient are w times the rl update's."""
+  mc = _tiny_model()
+  params = init_params(mc, jax.random.key(2))
+  loss = LossConfig.from_preset("grpo", kl_coef=0.0)
+  ro = _rollout(seed=4, rows=4, group=2, rewards=[1.0, 0.0, 0.2, 0.9])
+  opt = _opt(optax.sgd, 0.0)
+  out = {}
+  for objective, extra in (("rl", {}), ("distill", dict(teacher=mc, reward_weight=0.5))):
+    spec = _spec(mc, objective, group=2, prompts=2, loss=loss, recompute_old_logprobs=True, **extra)
+    state = TrainState.create(params, opt, 0, teacher=params if objective == "distill" else None)
+    out[objective] = jax.jit(make_update_fn(spec, opt))(state, ro)[1]
+  assert float(out["rl"]["loss"]) != 0.0
+  assert float(out["distill"]["loss"]) == pytest.approx(0.5 * float(out["rl"]["loss"]), rel=1e-5)
+  assert float(out["distill"]["grad_norm"]) == pytest.approx(0.5 * float(out["rl"]["grad_norm"]), rel=1e-5)
