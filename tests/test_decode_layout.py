@@ -150,3 +150,31 @@ def test_plan_decides_the_decode_layout_at_full_depth_and_warns_on_gathered_weig
   assert dec["kind"] == "fallback" and dec["all_gather_bytes_per_token"] > 0, dec
   assert "larger slice" in dec["warning"] and status == 3
 
+
+def test_async_generators_hold_the_compute_dtype_decode_copy(tmp_path):
+  """rollout.mode='async': the parameters published to the 4 generator devices are the sampler's
+  copy (bf16 matrices, the decode layout on the generator mesh), not a float32 replicated copy."""
+  import math
+  import os
+
+  from rljax.config_overrides import apply_overrides, load_config_file
+  from rljax.trainer.loop import Trainer
+  cfg = load_config_file(os.path.join(os.path.dirname(__file__), "..", "rljax", "configs", "smoke.py"))
+  apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "checkpoint.resume=False", "train.steps=1",
+                        "rollout.mode='async'", "model.dtype='bfloat16'"])
+  trainer = Trainer(cfg)
+  try:
+    published, _ = trainer.runner.published
+    learner = trainer.state.params
+    gen_devices = set(trainer.generator_mesh.devices.flat)
+    before = after = 0
+    for p, q in zip(jax.tree.leaves(published), jax.tree.leaves(learner)):
+      assert set(p.sharding.device_set) == gen_devices
+      assert p.dtype == (jnp.bfloat16 if p.ndim >= 2 else q.dtype) and q.dtype == jnp.float32
+      before += math.prod(q.shape) * 4                      # the old copy: float32, replicated
+      after += math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
+    layout = trainer.runner.gen_layout
+    assert layout.kind(trainer.generator_mesh) == "replicated"   # CPU devices report no memory: no budget
+    assert after == layout.bytes_per_chip and before / 2 <= after < 0.55 * before
+  finally:
+    trainer.close()
