@@ -7,6 +7,8 @@ and it draws the tokens the replicated layout draws for the same key.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,11 @@ def test_tensor_parallel_decode_moves_no_weights_and_draws_the_replicated_tokens
     out[name] = compiled(params, jax.random.key(2), ids, mask)
   np.testing.assert_array_equal(out["replicated"].tokens, out["tensor"].tokens)
   np.testing.assert_allclose(out["replicated"].logprobs, out["tensor"].logprobs, atol=1e-5)
+  # Continuous batching (4 slots for 8 rows: 2 per row block of the decode mesh) draws per row from
+  # the vocabulary shards too, and the samples do not depend on it.
+  slotted = dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, slots=4))
+  got = jax.jit(make_generate_fn(slotted, mesh, decode_layout=layout))(params, jax.random.key(2), ids, mask)
+  np.testing.assert_array_equal(out["replicated"].tokens, got.tokens)
 
 
 def _plan(argv):
