@@ -40,6 +40,7 @@ weights for the duration of the call.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -331,7 +332,14 @@ def decode_params(model: ModelConfig, params, mesh, budget_bytes: int | None = N
     return params
   layout = layout or decode_layout_for(model, params, mesh, budget_bytes)
   cast = decode_cast(model, params)
-  return jax.lax.with_sharding_constraint(cast, layout.shardings(param_logical_axes(model), cast, mesh))
+  axes = param_logical_axes(model)
+  if layout.fold > 1:
+    # Through the fallback layout on the decode mesh first (embed still split): the learner's
+    # split of embed becomes a split of embed and tensor by exchanges within groups of `fold`
+    # chips, then an all-gather over fsdp, without a full copy of any weight on a chip.
+    staged = dataclasses.replace(layout, fallback=True)
+    cast = jax.lax.with_sharding_constraint(cast, staged.shardings(axes, cast, mesh))
+  return jax.lax.with_sharding_constraint(cast, layout.shardings(axes, cast, mesh))
 
 
 def decode_cast(model: ModelConfig, params):
