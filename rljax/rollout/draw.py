@@ -23,6 +23,7 @@ import numpy as np
 from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec as P
 
+from rljax import sharding as shd
 from rljax.errors import ConfigError
 
 # top-p first looks for its nucleus among this many best tokens; rows whose nucleus is wider fall
@@ -252,7 +253,6 @@ def vocab_shards(mesh, rules, shape) -> VocabShards | None:
   on `mesh`, or None when the vocabulary is not split (no mesh, or V not divisible)."""
   if mesh is None:
     return None
-  from rljax import sharding as shd
   spec = shd.logical_to_spec(("batch", "vocab"), shape, mesh, rules)
   axis = spec[1]
   if isinstance(axis, tuple):
