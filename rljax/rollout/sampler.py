@@ -199,7 +199,7 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
     blocks = batch_blocks(mesh, b, rules)
     check_blocks(n_slots, p, b, blocks)
     state, decode_step = slots.decode(model, state, prefix, prompt_len, rng, sp, stop_ids, pad_id, n_slots, blocks,
-                                      ends, constrain, vocab_shards(mesh, rules, (n_slots, config.vocab_size)))
+                                      ends, constrain, vocab=vocab_shards(mesh, rules, (n_slots, config.vocab_size)))
     lengths = jnp.sum(state.mask, axis=-1, dtype=jnp.int32)
   else:
     state, lengths = _decode_rows(model, state, tok, prefix, prompt_len, choose_column, ends, b, constrain)
