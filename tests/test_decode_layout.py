@@ -36,9 +36,10 @@ def test_draw_over_vocabulary_shards_picks_the_unsplit_token(sp):
   logits = jax.random.normal(jax.random.key(1), (8, VOCAB)) * 3
   vocab = draw.vocab_shards(mesh, shd.DEFAULT_RULES, logits.shape)
   assert vocab is not None and vocab.axis == "tensor"
+  unsplit_fn = jax.jit(lambda x, k: draw.sample_logits(x, sp, k))
+  split_fn = jax.jit(lambda x, k: draw.sample_logits(x, sp, k, vocab=vocab))
   for key in (jax.random.key(0), jax.random.key(7)):
-    whole = jax.jit(lambda x, k: draw.sample_logits(x, sp, k))(logits, key)
-    split = jax.jit(lambda x, k: draw.sample_logits(x, sp, k, vocab=vocab))(logits, key)
+    whole, split = unsplit_fn(logits, key), split_fn(logits, key)
     np.testing.assert_array_equal(whole[0], split[0])
     # log-probs and entropy: the same sums in another order (f32).
     np.testing.assert_allclose(whole[1], split[1], rtol=1e-5, atol=1e-6)
