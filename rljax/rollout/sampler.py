@@ -342,6 +342,26 @@ def decode_params(model: ModelConfig, params, mesh, budget_bytes: int | None = N
   return jax.lax.with_sharding_constraint(cast, layout.shardings(axes, cast, mesh))
 
 
+class SegmentCopy:
+  """`params -> the sampler's copy` (`decode_params`, jitted) for the producers that run the segment
+  engine (multi-turn tools, partial rollouts): compute dtype, the decode layout on `mesh`, so a
+  decoded token all-gathers no weights. The segment engine constrains nothing to a folded mesh, so
+  a layout that would fold is replaced by the fallback. The layout is decided at the first call."""
+
+  def __init__(self, model: ModelConfig, mesh):
+    self.model, self.mesh, self._fn = model, mesh, None
+
+  def __call__(self, params):
+    if self.mesh is None:
+      return params
+    if self._fn is None:
+      layout = decode_layout_for(self.model, params, self.mesh)
+      if layout.fold > 1:
+        layout = dataclasses.replace(layout, fold=1, fallback=True)
+      self._fn = jax.jit(lambda p: decode_params(self.model, p, self.mesh, layout=layout))
+    return self._fn(params)
+
+
 def decode_cast(model: ModelConfig, params):
   """The parameters as the sampler reads them: matrices in the compute dtype, vectors as stored."""
   return jax.tree.map(lambda p: p.astype(model.compute_dtype) if p.ndim >= 2 else p, params)

@@ -39,7 +39,7 @@ from rljax.models.config import ModelConfig
 from rljax.rollout import segments
 from rljax.rollout.decode import Draw
 from rljax.rollout.draw import SamplingParams
-from rljax.rollout.sampler import check_lengths, decode_layout_for, decode_params
+from rljax.rollout.sampler import SegmentCopy, check_lengths
 from rljax.rollout.types import Rollout, RolloutInfo, by_rows
 from rljax.tools import FORMATS, end_markers, parse_tool_call
 
@@ -333,19 +333,7 @@ class ToolProducer:
     """tools: the engine; prompts: P, the prompts of one call (all processes)."""
     self.tools, self.mesh = tools, mesh
     self.sharding = shd.batch_sharding(mesh, 2, prompts)
-    self._decode_copy = None
-
-  def decode_copy(self, params):
-    """The segments' parameters: the sampler's copy (compute dtype, the decode layout on this mesh,
-    made once per call), so a decoded token all-gathers no weights. The segment engine constrains
-    nothing to a folded mesh, so a layout that would fold is replaced by the fallback."""
-    if self._decode_copy is None:
-      config, mesh = self.tools.config, self.mesh
-      layout = decode_layout_for(config, params, mesh)
-      if layout.fold > 1:
-        layout = dataclasses.replace(layout, fold=1, fallback=True)
-      self._decode_copy = jax.jit(lambda p: decode_params(config, p, mesh, layout=layout))
-    return self._decode_copy(params)
+    self.decode_copy = SegmentCopy(tools.config, mesh)   # the sampler's copy, made once per call
 
   def __call__(self, params, key, prompts) -> tuple[Rollout, RolloutInfo]:
     batch = prompts.next(self.sharding)
