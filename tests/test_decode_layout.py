@@ -146,7 +146,7 @@ def test_plan_decides_the_decode_layout_at_full_depth_and_warns_on_gathered_weig
   # replicated; the real depth needs the weights split over a tensor axis of 2.
   status, plan = _plan(tiny + ["--layers", "1,2", f"--hbm-gib={1.5 * whole / GIB}"])
   dec = plan["decode"]
-  assert (dec["kind"], dec["fold"], dec["mesh"]) == ("tensor-parallel", 2, [1, 4, 2]), dec
+  assert (dec["kind"], dec["fold"], dec["mesh"], dec["rows_per_chip"]) == ("tensor-parallel", 2, [1, 4, 2], 4), dec
   assert dec["budget_bytes"] == int(1.5 * whole / GIB * GIB) // 2 and dec["weights_bytes_per_chip"] < whole * 0.75
   assert "full depth (4 layers)" in dec["decided_at"] and plan["programs"]["sampler"]["extrapolated"]
   assert dec["all_gather_bytes_per_token"] == 0 and dec["warning"] is None

@@ -21,7 +21,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from rljax.plan.programs import Compiled, Run
+from rljax.plan.programs import Compiled, Run, rows_per_chip
 from rljax.plan.topology import GIB, Topology, next_larger
 
 MIB = 2**20
@@ -205,8 +205,9 @@ def render_text(plan: dict) -> str:
     lines.append(f"note: {note}")
   dec = plan.get("decode")
   if dec:
-    lines.append(f"sampler decode layout: {dec['description']}; weights {fmt_bytes(dec['weights_bytes_per_chip'])} "
-                 f"per chip (budget {fmt_bytes(dec['budget_bytes']) if dec['budget_bytes'] else 'none'}), decided "
+    budget = fmt_bytes(dec["budget_bytes"]) if dec["budget_bytes"] else "none"
+    lines.append(f"sampler decode layout: {dec['description']}, {dec['rows_per_chip']} rows per chip; weights "
+                 f"{fmt_bytes(dec['weights_bytes_per_chip'])} per chip (budget {budget}), decided "
                  f"at {dec['decided_at']}; all-gathered per decode token per chip: "
                  f"{fmt_bytes(dec['all_gather_bytes_per_token'])}")
     if dec["warning"]:
@@ -276,6 +277,7 @@ def decode_json(layout, mesh, run: Run, reports: list[ProgramReport], topo: Topo
   if not decoding:
     return None
   out = layout.to_json(mesh)
+  out["rows_per_chip"] = rows_per_chip(layout.mesh(mesh), run.rows)
   out["decided_at"] = (f"full depth ({run.model.num_layers} layers), from the weights' bytes in "
                        f"{jnp.dtype(run.model.compute_dtype).name} against the budget (not from a compile)")
   h = decoding[0].compiled.hlo or {}
