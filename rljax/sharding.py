@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import json
 import math
 import os
@@ -174,27 +175,119 @@ def local_indices(sharding, shape: Sequence[int]) -> np.ndarray:
 # this layout is made once per step, device to device, and needs no weight collective per token.
 DECODE_RULES: tuple[tuple[str, Any], ...] = tuple(
     (name, None if name in ("embed", "lora_rank") else axes) for name, axes in DEFAULT_RULES)
+# The last resort when even a tensor axis over every chip cannot hold the weights: `embed` over
+# fsdp as well, so every decoded token all-gathers every layer's weights.
+FALLBACK_DECODE_RULES: tuple[tuple[str, Any], ...] = tuple(
+    (name, "fsdp" if name == "embed" else axes) for name, axes in DECODE_RULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLayout:
+  """Where the sampler keeps its weights on the devices of a learner mesh (data, fsdp, tensor).
+
+  fold: the sampler decodes on the same devices reshaped to (data, fsdp / fold, tensor * fold)
+    (`fold_mesh`; when fold exceeds fsdp, data gives the rest): the weights are split over the
+    larger tensor axis (heads, KV heads, MLP and vocabulary, where it divides them) and
+    replicated over the rest, and the rows are split over what remains of data x fsdp. fold 1
+    keeps the learner's mesh. No weight moves per decoded token; per layer the attention and
+    MLP outputs are all-reduced over the tensor axis ([rows, D] activations).
+  fallback: not even a tensor axis over every chip fits the budget: `embed` is split over fsdp
+    as well (`FALLBACK_DECODE_RULES`), and every decoded token all-gathers the weights.
+  bytes_per_chip: the weights one chip holds in this layout (compute dtype); budget: what they
+    were allowed (None: no limit known, e.g. a CPU device reports none).
+  """
+  fold: int = 1
+  fallback: bool = False
+  bytes_per_chip: int | None = dataclasses.field(default=None, compare=False)
+  budget: int | None = dataclasses.field(default=None, compare=False)
+
+  @property
+  def rules(self):
+    return FALLBACK_DECODE_RULES if self.fallback else DECODE_RULES
+
+  def mesh(self, mesh: Mesh) -> Mesh:
+    """The decode mesh on `mesh`'s devices (the same device order)."""
+    return fold_mesh(mesh, self.fold)
+
+  def shardings(self, logical_axes_tree, shapes, mesh: Mesh):
+    """NamedShardings (on `self.mesh(mesh)`) of a parameter tree in this layout."""
+    return tree_shardings(logical_axes_tree, shapes, self.mesh(mesh), self.rules)
+
+  def kind(self, mesh: Mesh) -> str:
+    """"replicated", "tensor-parallel" or "fallback" (see `describe`)."""
+    if self.fallback:
+      return "fallback"
+    return "tensor-parallel" if self.mesh(mesh).shape["tensor"] > 1 else "replicated"
+
+  def describe(self, mesh: Mesh) -> str:
+    d = self.mesh(mesh).shape
+    shape = f"decode mesh (data, fsdp, tensor) = ({d['data']}, {d['fsdp']}, {d['tensor']})"
+    kind = self.kind(mesh)
+    if kind == "fallback":
+      return (f"fallback: weights split over fsdp={d['fsdp']} as well and all-gathered for every decoded token "
+              f"({shape}); they do not fit tensor-parallel over every chip")
+    if kind == "replicated":
+      return f"replicated: every chip holds the whole model ({shape})"
+    return f"tensor-parallel over {d['tensor']} chips ({shape})"
+
+  def to_json(self, mesh: Mesh) -> dict:
+    d = self.mesh(mesh).shape
+    return {"kind": self.kind(mesh), "fold": self.fold, "mesh": [d["data"], d["fsdp"], d["tensor"]],
+            "tensor": d["tensor"], "weights_bytes_per_chip": self.bytes_per_chip, "budget_bytes": self.budget,
+            "description": self.describe(mesh)}
+
+
+def fold_mesh(mesh: Mesh, fold: int) -> Mesh:
+  """`mesh`'s devices, in the same order, as (data, fsdp / fold, tensor * fold); a fold beyond fsdp
+  takes the rest from data: (data * fsdp / fold, 1, tensor * fold). fold must divide data x fsdp
+  that way (`decode_folds`)."""
+  if fold == 1:
+    return mesh
+  d, f, t = (mesh.shape[a] for a in MESH_AXES)
+  if f % fold == 0:
+    shape = (d, f // fold, t * fold)
+  elif fold % f == 0 and d % (fold // f) == 0:
+    shape = (d * f // fold, 1, t * fold)
+  else:
+    raise ConfigError(f"a decode fold of {fold} does not divide the mesh (data={d}, fsdp={f}).")
+  return Mesh(mesh.devices.reshape(shape), MESH_AXES)
+
+
+def decode_folds(mesh: Mesh) -> list[int]:
+  """The folds `fold_mesh` accepts for `mesh`, smallest first: divisors of fsdp, then fsdp times
+  the divisors of data."""
+  d, f = mesh.shape["data"], mesh.shape["fsdp"]
+  return [k for k in range(1, f + 1) if f % k == 0] + [f * k for k in range(2, d + 1) if d % k == 0]
+
+
+def choose_decode_layout(logical_axes_tree, shapes, mesh: Mesh, budget: int | None = None,
+                         dtype=None) -> DecodeLayout:
+  """The sampler's layout for a parameter tree: the smallest fold whose weights fit `budget` bytes per
+  chip (fold 1, the learner's tensor axis only, when they fit; None: no limit, fold 1), else the
+  fallback. Decided from the shapes alone (no compile): `rljax plan` decides it at the model's full
+  depth. shapes: arrays or ShapeDtypeStructs; dtype: the decode dtype (default each leaf's own)."""
+  for fold in decode_folds(mesh):
+    layout = DecodeLayout(fold)
+    held = _bytes_per_device(layout.shardings(logical_axes_tree, shapes, mesh), shapes, dtype)
+    if budget is None or held <= budget:
+      return DecodeLayout(fold, bytes_per_chip=held, budget=budget)
+  fallback = DecodeLayout(1, fallback=True)
+  held = _bytes_per_device(fallback.shardings(logical_axes_tree, shapes, mesh), shapes, dtype)
+  return DecodeLayout(1, fallback=True, bytes_per_chip=held, budget=budget)
 
 
 def decode_param_shardings(logical_axes_tree, shapes, mesh: Mesh, *, max_bytes_per_device: int | None = None,
                            dtype=None):
-  """NamedShardings of the sampler's parameter layout (`DECODE_RULES`) for a parameter tree.
+  """NamedShardings of the sampler's parameter layout (`choose_decode_layout`) for a parameter tree.
 
   logical_axes_tree: `rljax.models.policy.param_logical_axes(config)`; shapes: a matching tree
   of arrays or ShapeDtypeStructs. Dimensions `tensor` does not divide stay replicated. With
   `max_bytes_per_device` (and `dtype`, the decode dtype; default each leaf's own), a layout that
-  does not fit falls back to sharding `embed` over fsdp as well (the learner's layout minus
-  nothing else): weights are then gathered per layer while decoding, which is slower but fits.
-  Use inside the generate program:
-      params = jax.lax.with_sharding_constraint(cast(params, compute_dtype), decode_shardings)
+  does not fit folds fsdp (then data) into the tensor axis, and as a last resort shards `embed`
+  over fsdp (weights then gathered per token). The shardings are on the layout's decode mesh.
   """
-  out = tree_shardings(logical_axes_tree, shapes, mesh, DECODE_RULES)
-  if max_bytes_per_device is None:
-    return out
-  if _bytes_per_device(out, shapes, dtype) <= max_bytes_per_device:
-    return out
-  fallback = tuple((name, "fsdp" if name == "embed" else axes) for name, axes in DECODE_RULES)
-  return tree_shardings(logical_axes_tree, shapes, mesh, fallback)
+  layout = choose_decode_layout(logical_axes_tree, shapes, mesh, max_bytes_per_device, dtype)
+  return layout.shardings(logical_axes_tree, shapes, mesh)
 
 
 def _bytes_per_device(shardings, shapes, dtype=None) -> int:

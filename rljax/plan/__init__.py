@@ -49,13 +49,16 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
   mesh = shd.make_mesh(tuple(run.config.mesh.shape), devices=devices)
   mesh_shape = dict(mesh.shape)
   full = progs.build_inputs(run, mesh)
+  # The sampler's layout is decided here, at full depth, and imposed on every compile (shallow ones too).
+  layout = progs.decode_layout(run, mesh, full)
+  run = dataclasses.replace(run, decode_layout=layout)
   if layers is not None:
     a, b = layers
     if not 0 < a < b:
       raise ConfigError(f"--layers={a},{b}: give two depths 0 < a < b (e.g. --layers 1,2).")
     if b >= run.model.num_layers:
       layers = None
-  kv = progs.kv_cache_bytes(run.model, mesh, run.prompts, run.rows, run.prompt_len, run.completion_len)
+  kv = progs.kv_cache_bytes(run.model, layout.mesh(mesh), run.prompts, run.rows, run.prompt_len, run.completion_len)
   reports = []
   for program in programs:
     if layers is None:
@@ -78,6 +81,7 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
     reports.append(r)
   c = run.config
   notes = list(run.notes)
+  decode = rep.decode_json(layout, mesh, run, reports, topo)
   if run.lora is not None and run.needs_reference:
     notes.append("LoRA: the KL reference is the frozen base with the adapters off; no second copy of the model "
                  "is kept (reference params 0).")
@@ -91,6 +95,7 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
               "micro_batches": c.train.micro_batches, "reference_model": run.needs_reference,
               "reference_copy": run.reference_copy},
       "programs": {r.program: r.to_json() for r in reports},
+      "decode": decode,
       "fits": rep.overall_fits(reports),
       "notes": notes,
   }

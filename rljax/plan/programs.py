@@ -36,7 +36,7 @@ from rljax.models.config import ModelConfig
 from rljax.plan import hlo
 from rljax.rewards import reward_models
 from rljax.rewards.spec import RewardSpec
-from rljax.rollout.sampler import make_generate_fn
+from rljax.rollout.sampler import decode_layout_for, make_generate_fn
 from rljax.trainer import modes, setup as setup_lib
 
 PROGRAMS = ("sampler", "learner", "fused")
@@ -57,6 +57,8 @@ class Run:
   notes: list[str]
   # The sampler's weight-layout budget (half a chip's HBM); None: ask the device.
   decode_budget_bytes: int | None = None
+  # The sampler's weight layout, decided at the model's full depth (`decode_layout`); None: when traced.
+  decode_layout: shd.DecodeLayout | None = None
 
   config = property(lambda self: self.setup.config)
   model = property(lambda self: self.setup.model)
@@ -136,6 +138,13 @@ def kv_cache_bytes(mc: ModelConfig, mesh, prompts: int, rows: int, prompt_len: i
   return 2 * mc.num_layers * (per_chip(prompts, prompt_len) + per_chip(rows, completion_len)) * itemsize
 
 
+def decode_layout(run: Run, mesh, inputs: Inputs) -> shd.DecodeLayout:
+  """The sampler's weight layout at the model's full depth, from its parameters' bytes against the
+  budget (`rljax.rollout.sampler.decode_layout_for`): never from a shallow compile, whose smaller
+  model could fit where the real one does not. `inputs`: the full-depth inputs."""
+  return decode_layout_for(run.model, inputs.sampler_params, mesh, run.decode_budget_bytes)
+
+
 def rows_per_chip(mesh, rows: int) -> int:
   """Rows of an [N, ...] batch one chip holds under the batch sharding."""
   return shd.batch_sharding(mesh, 1, rows).shard_shape((rows,))[0]
@@ -190,7 +199,8 @@ def program_of(name: str, run: Run, mesh, inputs: Inputs, reward_fn=None) -> tup
   rljax/trainer/setup.py. The fused step scores with `reward_fn` (default: a stand-in computed from
   the sampled tokens, since a deviceless compile cannot call the reward pool)."""
   if name == "sampler":
-    return (setup_lib.generate_program(run.setup, mesh, decode_budget_bytes=run.decode_budget_bytes),
+    return (setup_lib.generate_program(run.setup, mesh, decode_budget_bytes=run.decode_budget_bytes,
+                                       decode_layout=run.decode_layout),
             (inputs.sampler_params, inputs.key, inputs.prompt_ids, inputs.prompt_mask))
   if name == "learner":
     return setup_lib.update_program(run.setup, mesh, inputs.state_sh), (inputs.state, inputs.rollout)
@@ -199,7 +209,8 @@ def program_of(name: str, run: Run, mesh, inputs: Inputs, reward_fn=None) -> tup
     graph = reward_models.abstract_scorer(RewardSpec(components=run.config.rewards.to_dict()["components"]), mesh,
                                           dtype=run.model.dtype)
     if graph is None:
-      return (setup_lib.train_step_program(run.setup, mesh, inputs.state_sh, reward_fn),
+      return (setup_lib.train_step_program(run.setup, mesh, inputs.state_sh, reward_fn,
+                                           decode_layout=run.decode_layout),
               (inputs.state, inputs.prompt_ids, inputs.prompt_mask))
     # Reward models and judges: their parameters and forward are part of the step (and of its memory).
     graph_inputs = reward_models.abstract_inputs(graph, run.prompts, run.prompt_len)
@@ -210,7 +221,8 @@ def program_of(name: str, run: Run, mesh, inputs: Inputs, reward_fn=None) -> tup
       return rewards + graph.scores(graph_inputs, tokens, lengths).sum(1), components
 
     shardings = jax.tree.map(lambda x: x.sharding, graph_inputs)
-    return (setup_lib.train_step_program(run.setup, mesh, inputs.state_sh, reward_fn, shardings),
+    return (setup_lib.train_step_program(run.setup, mesh, inputs.state_sh, reward_fn, shardings,
+                                         decode_layout=run.decode_layout),
             (inputs.state, inputs.prompt_ids, inputs.prompt_mask, graph_inputs))
   raise ConfigError(f"--program={name!r} is not one of {PROGRAMS + ('all',)}.")
 

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from rljax.plan.programs import Compiled, Run
+import jax.numpy as jnp
+
+from rljax.plan.programs import Compiled, Run, rows_per_chip
 from rljax.plan.topology import GIB, Topology, next_larger
 
 MIB = 2**20
+# Above this many bytes all-gathered per decode token per chip, the plan warns and suggests a mesh.
+DECODE_GATHER_WARN_BYTES = MIB
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -199,6 +203,15 @@ def render_text(plan: dict) -> str:
   ]
   for note in plan.get("notes", []):
     lines.append(f"note: {note}")
+  dec = plan.get("decode")
+  if dec:
+    budget = fmt_bytes(dec["budget_bytes"]) if dec["budget_bytes"] else "none"
+    lines.append(f"sampler decode layout: {dec['description']}, {dec['rows_per_chip']} rows per chip; weights "
+                 f"{fmt_bytes(dec['weights_bytes_per_chip'])} per chip (budget {budget}), decided "
+                 f"at {dec['decided_at']}; all-gathered per decode token per chip: "
+                 f"{fmt_bytes(dec['all_gather_bytes_per_token'])}")
+    if dec["warning"]:
+      lines.append(f"WARNING: {dec['warning']}")
   names = list(progs)
   lora = bool(m.get("lora"))
   rows = [
@@ -253,6 +266,40 @@ def render_text(plan: dict) -> str:
   lines.append({True: "verdict: fits", False: "verdict: does NOT fit",
                 None: "verdict: no memory limit to check against (give --hbm-gib)"}[verdict])
   return "\n".join(lines)
+
+
+def decode_json(layout, mesh, run: Run, reports: list[ProgramReport], topo: Topology) -> dict | None:
+  """The sampler's decode layout (`rljax.sharding.DecodeLayout`), decided at the model's full depth
+  from the bytes of its compute-dtype weights against the budget (half a chip's memory), the bytes
+  all-gathered per decode token per chip in the compiled decode loop, and, above
+  DECODE_GATHER_WARN_BYTES, a warning with a mesh to use. None when no program decodes."""
+  decoding = [r for r in reports if r.program in ("sampler", "fused")]
+  if not decoding:
+    return None
+  out = layout.to_json(mesh)
+  out["rows_per_chip"] = rows_per_chip(layout.mesh(mesh), run.rows)
+  out["decided_at"] = (f"full depth ({run.model.num_layers} layers), from the weights' bytes in "
+                       f"{jnp.dtype(run.model.compute_dtype).name} against the budget (not from a compile)")
+  h = decoding[0].compiled.hlo or {}
+  gathered = h["per_decode_token"].get("all-gather", 0) if h else None
+  out["all_gather_bytes_per_token"] = gathered
+  out["from_program"] = decoding[0].program
+  out["warning"] = None
+  if gathered is not None and gathered > DECODE_GATHER_WARN_BYTES:
+    d, f, t = (mesh.shape[a] for a in ("data", "fsdp", "tensor"))
+    chips = d * f * t
+    if layout.fallback:
+      bigger = next_larger(topo)
+      larger = f" (--topology {bigger})" if bigger else ""
+      out["warning"] = (f"decoding all-gathers {fmt_bytes(gathered)} of weights per token per chip: the weights do "
+                        f"not fit the budget ({fmt_bytes(layout.budget)}, half a chip) even tensor-parallel over all "
+                        f"{chips} chips, so they are split over fsdp too. Use a larger slice{larger}, where a "
+                        "tensor axis over more chips holds them.")
+    else:
+      k = 2 if f % 2 == 0 else f
+      out["warning"] = (f"decoding all-gathers {fmt_bytes(gathered)} per token per chip in this layout: give decoding "
+                        f"a tensor axis, e.g. --config.mesh.shape='({d}, {f // k}, {t * k})' ({chips} chips).")
+  return out
 
 
 def overall_fits(reports: list[ProgramReport]) -> bool | None:

@@ -15,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry2x32_p
+from jax.sharding import PartitionSpec as P
 
+from rljax import sharding as shd
 from rljax.errors import ConfigError
 
 # top-p first looks for its nucleus among this many best tokens; rows whose nucleus is wider fall
@@ -116,7 +119,8 @@ def is_int(v) -> bool:
 # ---- token draw ------------------------------------------------------------------------------
 
 
-def sample_logits(logits: jax.Array, sp: SamplingParams, key: jax.Array, rows: jax.Array | None = None):
+def sample_logits(logits: jax.Array, sp: SamplingParams, key: jax.Array, rows: jax.Array | None = None,
+                  vocab: "VocabShards | None" = None):
   """Chooses one token per row and records its log-prob and the entropy.
 
   logits: [B, V] float32. key: the step's PRNG key; or, with `rows` [B] int32, one key per row
@@ -130,34 +134,84 @@ def sample_logits(logits: jax.Array, sp: SamplingParams, key: jax.Array, rows: j
   not depend on how the batch is sharded). Unlike an inverse-CDF draw, whose boundaries sit 1/V
   apart on a flat distribution, an argmax changes under last-bit logit differences (another
   mesh, another matmul blocking) only when two perturbed scores nearly tie.
+
+  vocab: the logits are split over the vocabulary (`vocab_shards`): each device draws from its
+  own shard (`_sample_sharded`) and only per-row figures cross devices, never the [B, V] logits
+  or the output projection that made them.
   """
+  if vocab is not None:
+    return _sample_sharded(logits, sp, key, rows, vocab)
+  if rows is None:
+    k_block, k_token = jax.random.split(key)
+    noise = lambda k, n: jax.random.gumbel(k, (logits.shape[0], n), jnp.float32)
+  else:
+    k_block, k_token = jnp.moveaxis(jax.vmap(jax.random.split)(key), 1, 0)
+    noise = lambda k, n: row_gumbel(k, rows, n)
+  ops = _Vocab(logits.shape[-1])
+  return _sample(logits, sp, ops, lambda lw, w: _gumbel_draw(lw, w, lambda n: noise(k_block, n),
+                                                               lambda n: noise(k_token, n)))
+
+
+def _sample(logits, sp: SamplingParams, ops: "_Vocab", draw):
+  """`sample_logits` over a whole vocabulary or one shard of it: every reduction over V goes through
+  `ops`, so the figures are those of the whole vocabulary. draw(log_weights, weights) -> tokens."""
   logits = logits.astype(jnp.float32)
   scaled = logits / sp.logprob_temperature if sp.logprob_temperature != 1.0 else logits
-  top = jnp.max(scaled, axis=-1, keepdims=True)
+  top = ops.max(scaled)[:, None]
   shifted = scaled - top
   weights = jnp.exp(shifted)  # unnormalised probabilities, also the sampling weights
-  z = jnp.sum(weights, axis=-1)
+  z = ops.sum(weights)
   log_z = jnp.log(z)
   # -sum p log p with log p = shifted - log z; both terms are >= 0, so no cancellation.
-  entropy = log_z - jnp.sum(weights * shifted, axis=-1) / z
+  entropy = log_z - ops.sum(weights * shifted) / z
 
   if sp.is_greedy:
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = ops.argmax(logits)
   else:
-    threshold = _truncation_threshold(scaled, shifted, log_z, sp)
+    threshold = _truncation_threshold(scaled, shifted, log_z, sp, ops)
     if threshold is not None:
       keep = scaled >= threshold[:, None]
       shifted_kept, weights = jnp.where(keep, shifted, -jnp.inf), jnp.where(keep, weights, 0.0)
     else:
       shifted_kept = shifted
-    tokens = _gumbel_draw(shifted_kept, weights, key, rows)
-  chosen = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0]
-  return tokens, chosen - log_z, entropy
+    tokens = draw(shifted_kept, weights)
+  return tokens, ops.take(shifted, tokens) - log_z, entropy
 
 
-def _gumbel_draw(log_weights, weights, key, rows=None):
+class _Vocab:
+  """Reductions over the vocabulary of [B, V] rows (the whole vocabulary on this device)."""
+
+  def __init__(self, size: int):
+    self.size = size   # V, the whole vocabulary
+
+  def max(self, x):
+    return jnp.max(x, axis=-1)
+
+  def min(self, x):
+    return jnp.min(x, axis=-1)
+
+  def sum(self, x):
+    return jnp.sum(x, axis=-1)
+
+  def top_k(self, x, k: int):
+    """[B, k] the k largest values, descending."""
+    return jax.lax.top_k(x, k)[0]
+
+  def argmax(self, x):
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+  def take(self, x, tokens):
+    """x[b, tokens[b]]."""
+    return jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0]
+
+  def all(self, pred):
+    """Whether `pred` holds for every row (of every device that runs this draw)."""
+    return jnp.all(pred)
+
+
+def _gumbel_draw(log_weights, weights, block_noise, token_noise):
   """[B] token ids drawn with probability proportional to `weights` [B, V] (= exp(log_weights)).
-  key: one key, or per-row keys [B] with `rows` (see `sample_logits`).
+  block_noise(n), token_noise(n): [B, n] Gumbel noise of the two levels (see `sample_logits`).
 
   Two Gumbel-max draws: a block of _DRAW_BLOCK tokens by its total weight, then a token inside
   it. That is exactly the categorical distribution (P(block) * P(token | block) = w / sum w) with
@@ -166,21 +220,151 @@ def _gumbel_draw(log_weights, weights, key, rows=None):
   """
   b, v = log_weights.shape
   block = _DRAW_BLOCK
-  if rows is None:
-    k_block, k_token = jax.random.split(key)
-    noise = lambda k, n: jax.random.gumbel(k, (b, n), jnp.float32)
-  else:
-    k_block, k_token = jnp.moveaxis(jax.vmap(jax.random.split)(key), 1, 0)
-    noise = lambda k, n: row_gumbel(k, rows, n)
   if v <= 2 * block:
-    return jnp.argmax(log_weights + noise(k_token, v), axis=-1).astype(jnp.int32)
+    return jnp.argmax(log_weights + token_noise(v), axis=-1).astype(jnp.int32)
   nb = -(-v // block)
   pad = ((0, 0), (0, nb * block - v))
   log_weights = jnp.pad(log_weights, pad, constant_values=-jnp.inf).reshape(b, nb, block)
   mass = jnp.pad(weights, pad).reshape(b, nb, block).sum(-1)                 # [B, nb]
-  j = jnp.argmax(jnp.log(mass) + noise(k_block, nb), axis=-1)
+  j = jnp.argmax(jnp.log(mass) + block_noise(nb), axis=-1)
   inner = jnp.take_along_axis(log_weights, j[:, None, None], axis=1)[:, 0]   # [B, block]
-  i = jnp.argmax(inner + noise(k_token, block), axis=-1)
+  i = jnp.argmax(inner + token_noise(block), axis=-1)
+  return (j * block + i).astype(jnp.int32)
+
+
+# ---- the draw over vocabulary shards ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabShards:
+  """Logits [B, V] split over the vocabulary on mesh axis `axis` (V / n columns per device) and
+  by rows over `rows` (a PartitionSpec entry: None, an axis or a tuple of axes)."""
+  mesh: Any
+  rows: Any
+  axis: str
+
+  @property
+  def spec(self) -> P:
+    return P(self.rows, self.axis)
+
+
+def vocab_shards(mesh, rules, shape) -> VocabShards | None:
+  """How logits of `shape` [B, V] are split by the logical axes ("batch", "vocab") under `rules`
+  on `mesh`, or None when the vocabulary is not split (no mesh, or V not divisible)."""
+  if mesh is None:
+    return None
+  spec = shd.logical_to_spec(("batch", "vocab"), shape, mesh, rules)
+  axis = spec[1]
+  if isinstance(axis, tuple):
+    if len(axis) != 1:
+      return None
+    axis = axis[0]
+  return None if axis is None else VocabShards(mesh, spec[0], axis)
+
+
+def _sample_sharded(logits, sp: SamplingParams, key, rows, vocab: VocabShards):
+  """`sample_logits` with the vocabulary split over `vocab.axis`, as one `shard_map`.
+
+  Each device holds [B_local, V / n] logits. The max, the partition function, the entropy and the
+  truncation thresholds combine per-shard figures ([B] or [B, k] per row, psum / pmax / top-k of
+  the shards' top-k); the draw is the two-level Gumbel draw of the whole vocabulary with the same
+  noise (`row_gumbel` at the rows' global indices): the blocks' masses are summed where they lie
+  (a [B, V / 256] psum) and the chosen block's 256 log-weights are combined by a pmax (each entry
+  lies on one device). So the token is the one the unsplit draw picks from the same logits, but
+  for a block that straddles two shards (V / n not a multiple of 256), whose mass is summed in two
+  parts (last-bit differences); log-probs and entropy differ from the unsplit ones in the last bits
+  (their sums run in another order).
+  """
+  b, v = logits.shape
+  if rows is None:
+    k_block, k_token = jax.random.split(key)
+    keys = [jnp.broadcast_to(_key_bits(k), (b, 2)) for k in (k_block, k_token)]
+    rows = jnp.arange(b, dtype=jnp.int32)
+  else:
+    k_block, k_token = jnp.moveaxis(jax.vmap(jax.random.split)(key), 1, 0)
+    keys = [_key_bits(k) for k in (k_block, k_token)]
+  row_spec = P(vocab.rows)
+  all_axes = tuple(vocab.mesh.axis_names)
+
+  def shard(logits, kb, kt, rows):
+    ops = _ShardedVocab(v, vocab.axis, logits.shape[1], all_axes)
+    draw = lambda lw, w: _gumbel_draw_sharded(lw, w, lambda n_: row_gumbel(kb, rows, n_),
+                                               lambda n_: row_gumbel(kt, rows, n_), ops)
+    return _sample(logits, sp, ops, draw)
+
+  key_spec = P(vocab.rows, None)
+  return jax.shard_map(shard, mesh=vocab.mesh, in_specs=(vocab.spec, key_spec, key_spec, row_spec),
+                       out_specs=(row_spec, row_spec, row_spec), check_vma=False)(
+                           logits.astype(jnp.float32), keys[0], keys[1], rows.astype(jnp.int32))
+
+
+def _key_bits(key):
+  """The uint32 words of a PRNG key (typed or raw), [..., 2]."""
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(key).astype(jnp.uint32)
+  return key.astype(jnp.uint32)
+
+
+class _ShardedVocab(_Vocab):
+  """Reductions over a vocabulary split over mesh axis `axis` (inside `shard_map`): this device
+  holds columns [offset, offset + local) of V; results are those of the whole vocabulary."""
+
+  def __init__(self, size: int, axis: str, local: int, all_axes: tuple[str, ...]):
+    super().__init__(size)
+    self.axis, self.local, self.all_axes = axis, local, all_axes
+    self.offset = jax.lax.axis_index(axis) * local
+
+  def max(self, x):
+    return jax.lax.pmax(jnp.max(x, axis=-1), self.axis)
+
+  def min(self, x):
+    return jax.lax.pmin(jnp.min(x, axis=-1), self.axis)
+
+  def sum(self, x):
+    return jax.lax.psum(jnp.sum(x, axis=-1), self.axis)
+
+  def top_k(self, x, k: int):
+    best = jax.lax.top_k(x, min(k, self.local))[0]
+    return jax.lax.top_k(jax.lax.all_gather(best, self.axis, axis=1, tiled=True), k)[0]
+
+  def argmax(self, x):
+    """The first index of the row max over the whole vocabulary (as jnp.argmax)."""
+    m, i = jnp.max(x, axis=-1), jnp.argmax(x, axis=-1).astype(jnp.int32) + self.offset
+    ms, is_ = jax.lax.all_gather(m, self.axis), jax.lax.all_gather(i, self.axis)   # [n, B]
+    return jnp.take_along_axis(is_, jnp.argmax(ms, axis=0)[None], axis=0)[0].astype(jnp.int32)
+
+  def take(self, x, tokens):
+    local = tokens - self.offset
+    inside = (local >= 0) & (local < self.local)
+    got = jnp.take_along_axis(x, jnp.clip(local, 0, self.local - 1)[:, None], axis=-1)[:, 0]
+    return jax.lax.psum(jnp.where(inside, got, 0.0), self.axis)
+
+  def all(self, pred):
+    return jax.lax.pmin(jnp.all(pred).astype(jnp.int32), self.all_axes) > 0
+
+
+def _gumbel_draw_sharded(log_weights, weights, block_noise, token_noise, ops: _ShardedVocab):
+  """`_gumbel_draw` of the whole vocabulary from this device's columns (see `_sample_sharded`)."""
+  b, vl = log_weights.shape
+  v, block, axis = ops.size, _DRAW_BLOCK, ops.axis
+  if v <= 2 * block:
+    full = jax.lax.all_gather(log_weights, axis, axis=1, tiled=True)      # [B, V], V <= 512
+    return jnp.argmax(full + token_noise(v), axis=-1).astype(jnp.int32)
+  nb = -(-v // block)
+  # This device's columns placed at their offset within the blocks they touch (nbl of them).
+  nbl = -(-vl // block) + 1
+  first, lead = ops.offset // block, ops.offset % block
+  place = lambda x, fill: jax.lax.dynamic_update_slice(jnp.full((b, nbl * block), fill, x.dtype), x, (0, lead))
+  local_lw = place(log_weights, -jnp.inf).reshape(b, nbl, block)
+  local_mass = place(weights, 0.0).reshape(b, nbl, block).sum(-1)                           # [B, nbl]
+  mass = jax.lax.dynamic_update_slice(jnp.zeros((b, nb + nbl), jnp.float32), local_mass, (0, first))
+  mass = jax.lax.psum(mass[:, :nb], axis)                                                    # [B, nb]
+  j = jnp.argmax(jnp.log(mass) + block_noise(nb), axis=-1)
+  jl = j - first
+  mine = (jl >= 0) & (jl < nbl)
+  inner = jnp.take_along_axis(local_lw, jnp.clip(jl, 0, nbl - 1)[:, None, None], axis=1)[:, 0]   # [B, block]
+  inner = jax.lax.pmax(jnp.where(mine[:, None], inner, -jnp.inf), axis)
+  i = jnp.argmax(inner + token_noise(block), axis=-1)
   return (j * block + i).astype(jnp.int32)
 
 
@@ -213,13 +397,15 @@ def row_gumbel(keys: jax.Array, rows: jax.Array, n: int) -> jax.Array:
   return -jnp.log(-jnp.log(jnp.maximum(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)))
 
 
-def _truncation_threshold(scaled, shifted, log_z, sp: SamplingParams):
-  """[B] scaled-logit threshold (keep tokens >= it) for top-k, top-p, min-p; None if all are off."""
-  v = scaled.shape[-1]
+def _truncation_threshold(scaled, shifted, log_z, sp: SamplingParams, ops: _Vocab | None = None):
+  """[B] scaled-logit threshold (keep tokens >= it) for top-k, top-p, min-p; None if all are off.
+  ops: the reductions over the vocabulary (default: all of it on this device)."""
+  ops = ops or _Vocab(scaled.shape[-1])
+  v = ops.size
   thresholds = []
   use_k = 0 < sp.top_k < v
   if use_k:
-    top_vals, _ = jax.lax.top_k(scaled, sp.top_k)  # [B, k], descending
+    top_vals = ops.top_k(scaled, sp.top_k)  # [B, k], descending
     thresholds.append(top_vals[:, -1])
   if sp.top_p < 1.0:
     if use_k:
@@ -227,10 +413,10 @@ def _truncation_threshold(scaled, shifted, log_z, sp: SamplingParams):
       probs = jax.nn.softmax(top_vals, axis=-1)
       thresholds.append(_nucleus_threshold(top_vals, probs, sp.top_p))
     else:
-      thresholds.append(_top_p_threshold(scaled, shifted, log_z, sp.top_p))
+      thresholds.append(_top_p_threshold(scaled, shifted, log_z, sp.top_p, ops))
   if sp.min_p > 0.0:
     # p >= min_p * p_max  <=>  scaled >= max(scaled) + log(min_p).
-    thresholds.append(jnp.max(scaled, axis=-1) + math.log(sp.min_p))
+    thresholds.append(ops.max(scaled) + math.log(sp.min_p))
   if not thresholds:
     return None
   return functools.reduce(jnp.maximum, thresholds)
@@ -243,22 +429,22 @@ def _nucleus_threshold(sorted_vals, sorted_probs, top_p):
   return jnp.take_along_axis(sorted_vals, (n_keep - 1)[:, None], axis=-1)[:, 0]
 
 
-def _top_p_threshold(scaled, shifted, log_z, top_p):
+def _top_p_threshold(scaled, shifted, log_z, top_p, ops: _Vocab):
   """Top-p over the full distribution: the best C candidates, or a bisection when wider."""
-  b, v = scaled.shape
+  v = ops.size
   c = min(v, _TOP_P_CANDIDATES)
-  vals, _ = jax.lax.top_k(scaled, c)
+  vals = ops.top_k(scaled, c)
   probs = jnp.exp(vals - vals[:, :1] - log_z[:, None])  # vals[:, 0] is the row max
   thr = _nucleus_threshold(vals, probs, top_p)
   if c == v:
     return thr
   # The candidates decide a row when the first c - 1 of them already hold top_p of the mass.
   resolved = jnp.sum(probs[:, :-1], axis=-1) >= top_p
-  return jax.lax.cond(jnp.all(resolved), lambda: thr,
-                      lambda: jnp.where(resolved, thr, _bisect_top_p(scaled, shifted, log_z, top_p)))
+  return jax.lax.cond(ops.all(resolved), lambda: thr,
+                      lambda: jnp.where(resolved, thr, _bisect_top_p(scaled, shifted, log_z, top_p, ops)))
 
 
-def _bisect_top_p(scaled, shifted, log_z, top_p):
+def _bisect_top_p(scaled, shifted, log_z, top_p, ops: _Vocab):
   """Exact nucleus threshold by bisection over float bit patterns, O(32 V) per row.
 
   Mass above tau, m(tau) = sum p_i [scaled_i > tau], decreases in tau; the threshold is the
@@ -272,13 +458,13 @@ def _bisect_top_p(scaled, shifted, log_z, top_p):
   to_key = lambda x: flip(jax.lax.bitcast_convert_type(x, jnp.int32))
   from_key = lambda k: jax.lax.bitcast_convert_type(flip(k), jnp.float32)
 
-  lo = to_key(jnp.min(scaled, axis=-1))
-  hi = to_key(jnp.max(scaled, axis=-1))  # m(max) = 0 < top_p, so hi always qualifies
+  lo = to_key(ops.min(scaled))
+  hi = to_key(ops.max(scaled))  # m(max) = 0 < top_p, so hi always qualifies
 
   def body(_, bounds):
     lo, hi = bounds
     mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
-    mass = jnp.sum(jnp.where(scaled > from_key(mid)[:, None], probs, 0.0), axis=-1)
+    mass = ops.sum(jnp.where(scaled > from_key(mid)[:, None], probs, 0.0))
     ok = mass < top_p
     return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 

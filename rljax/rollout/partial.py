@@ -34,6 +34,7 @@ import numpy as np
 
 from rljax import sharding as shd
 from rljax.rollout import segments
+from rljax.rollout.sampler import SegmentCopy
 from rljax.rollout.types import Rollout, RolloutInfo, by_rows
 
 
@@ -75,6 +76,7 @@ class PartialProducer:
     self.seg = segments.SegmentParams(segment_tokens=min(32, max(8, self.t_new // 8)))
     self.stop_ids = tuple(spec.sampling.stop_token_ids)
     self.calls = 0
+    self.decode_copy = SegmentCopy(spec.model, mesh)   # the sampler's copy, made once per call
     self.pool: list[Group] = []
     self.waiting: list[Group] = []
     self.data_state: dict = {}
@@ -82,7 +84,7 @@ class PartialProducer:
 
   def __call__(self, params, key, prompts) -> tuple[Rollout, RolloutInfo]:
     self._fill(prompts)
-    segments_run, decode_steps = self._round(params, key)
+    segments_run, decode_steps = self._round(self.decode_copy(params), key)
     groups = self._take()
     self.counts["groups_trained"] += len(groups)
     age = self.calls - min(grp.born for grp in groups)

@@ -40,6 +40,7 @@ weights for the duration of the call.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -53,7 +54,7 @@ from rljax.models.config import ModelConfig
 from rljax.models.policy import param_logical_axes
 from rljax.rollout import slots
 from rljax.rollout.decode import CachedModel, DecodeState, choose, pad_token_id
-from rljax.rollout.draw import SamplingParams
+from rljax.rollout.draw import SamplingParams, sample_logits, vocab_shards
 from rljax.rollout.slots import batch_blocks, check_blocks, decode_slots
 from rljax.rollout.types import Rollout, RolloutInfo
 
@@ -175,13 +176,19 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   # 2. Fan out the first-token logits to G rows per prompt and choose every row's first token.
   fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis, total_repeat_length=x.shape[axis] * g)
   ends = stage_ends(t_new)
-  logits = rows(fan(logits))
+  logits = fan(logits)
   prompt_len = fan(prompt_len)
   active = rows(prompt_len > 0)
 
+  # Logits split over the vocabulary (the decode layout splits the output projection over
+  # tensor) are drawn from where they lie: only per-row figures cross devices.
+  vocab = vocab_shards(mesh, rules, (b, config.vocab_size))
+  draw = None if vocab is None else (lambda state, logits, sp, key: sample_logits(logits, sp, key, vocab=vocab))
+
   def choose_column(state, logits, t):
     """Column t of the rows not done, with key fold_in(rng, t)."""
-    state, tok = choose(state, logits, t, sp, jax.random.fold_in(rng, t), stop_ids, pad_id)
+    logits = rows(logits) if vocab is None else constrain(logits, ("batch", "vocab"))
+    state, tok = choose(state, logits, t, sp, jax.random.fold_in(rng, t), stop_ids, pad_id, draw=draw)
     return jax.tree.map(rows, state), tok
 
   state = jax.tree.map(rows, DecodeState.empty(b, t_new, pad_id, done=~active))
@@ -192,11 +199,14 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
     blocks = batch_blocks(mesh, b, rules)
     check_blocks(n_slots, p, b, blocks)
     state, decode_step = slots.decode(model, state, prefix, prompt_len, rng, sp, stop_ids, pad_id, n_slots, blocks,
-                                      ends, constrain)
+                                      ends, constrain, vocab=vocab_shards(mesh, rules, (n_slots, config.vocab_size)))
     lengths = jnp.sum(state.mask, axis=-1, dtype=jnp.int32)
   else:
     state, lengths = _decode_rows(model, state, tok, prefix, prompt_len, choose_column, ends, b, constrain)
     decode_step = jnp.maximum(lengths - 1, 0)
+  # Split by the decode mesh's rows, as in the loop: a caller's other layout (the learner's rows) is
+  # then reached after the loop, not carried into it (which would gather the state every token).
+  state, lengths, decode_step = jax.tree.map(rows, (state, lengths, decode_step))
   return SampleOutput(
       tokens=state.tokens, mask=state.mask, lengths=lengths, truncated=(lengths == t_new) & ~state.stopped,
       logprobs=state.logprobs, entropy=state.entropy, prompt_ids=rows(fan(prompt_ids)),
@@ -210,7 +220,6 @@ def _decode_rows(model: CachedModel, state: DecodeState, tok, prefix: PrefixCach
   far (rounded up to its stage), not all T. Token t is written at slot t - 1: the cache's index
   follows t. Returns the state and the rows' lengths [B]."""
   rows_cache = DecodeCache.init(model.config, b, ends[0]).constrain(constrain)
-  rows = lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
   def cond(carry):
     t, _, _, state = carry
@@ -219,7 +228,7 @@ def _decode_rows(model: CachedModel, state: DecodeState, tok, prefix: PrefixCach
   def body(carry):
     t, tok, cache, state = carry
     logits, cache = model.step(tok, prompt_len + t - 1, ~state.done, cache, prefix)
-    state, tok = choose_column(state, rows(logits), t)
+    state, tok = choose_column(state, logits, t)
     return (t + 1, tok, cache.constrain(constrain), state)
 
   carry = (jnp.int32(1), tok, rows_cache, state)
@@ -258,49 +267,104 @@ def sampler_metrics(rollout: Rollout, sp: SamplingParams) -> dict[str, jax.Array
 # ---- the trainer's single-turn producer ---------------------------------------------------------
 
 
-def make_generate_fn(spec, mesh: jax.sharding.Mesh | None = None, *, decode_budget_bytes: int | None = None):
+def make_generate_fn(spec, mesh: jax.sharding.Mesh | None = None, *, decode_budget_bytes: int | None = None,
+                     decode_layout: shd.DecodeLayout | None = None):
   """The single-turn sampler of a train step (`spec`: trainer/step.py StepSpec), as a pure function
   `generate(params, key, prompt_ids [P*O, Lp], prompt_mask) -> Rollout` of P*O*G rows.
 
-  Traced with `mesh` and the logical-axis rules in scope, so every per-row array and the KV cache
-  are split by rows over (data, fsdp). decode_budget_bytes: see `decode_params` (None: half the
-  device's memory, as it reports it). Raises ConfigError when `spec.sampling.slots` does not split
-  over the mesh's batch shards like the rows.
+  Traced with the decode mesh (`decode_layout`'s reshaping of `mesh`) and the logical-axis rules
+  in scope, so every per-row array and the KV cache are split by rows over (data, fsdp) of that
+  mesh. decode_budget_bytes: see `decode_params` (None: half the device's memory, as it reports
+  it). decode_layout: the weights' layout (default: `decode_layout(spec.model, params, mesh,
+  decode_budget_bytes)`, decided from the parameters' shapes when traced; `rljax plan` passes the
+  one it decided at the model's full depth). Raises ConfigError when `spec.sampling.slots` does
+  not split over the mesh's batch shards like the rows.
   """
   prompts = spec.prompts * spec.oversample
   rows = prompts * spec.group
-  if decode_slots(spec.sampling, rows) < rows:
-    check_blocks(spec.sampling.slots, prompts, rows, batch_blocks(mesh, rows))
 
   def generate(params, key, prompt_ids, prompt_mask) -> Rollout:
-    with shd.activate(mesh):
-      out = sample(spec.model, decode_params(spec.model, params, mesh, decode_budget_bytes), prompt_ids,
-                   prompt_mask, spec.sampling, key, eos_ids=spec.eos_ids, mesh=mesh)
+    layout = decode_layout or decode_layout_for(spec.model, params, mesh, decode_budget_bytes)
+    dmesh = None if mesh is None else layout.mesh(mesh)
+    if decode_slots(spec.sampling, rows) < rows:
+      check_blocks(spec.sampling.slots, prompts, rows, batch_blocks(dmesh, rows))
+    with shd.activate(dmesh):
+      out = sample(spec.model, decode_params(spec.model, params, mesh, layout=layout), prompt_ids,
+                   prompt_mask, spec.sampling, key, eos_ids=spec.eos_ids, mesh=dmesh)
     return out.rollout()
 
+  if mesh is not None and decode_layout is not None and decode_slots(spec.sampling, rows) < rows:
+    check_blocks(spec.sampling.slots, prompts, rows, batch_blocks(decode_layout.mesh(mesh), rows))
   return generate
 
 
-def decode_params(model: ModelConfig, params, mesh, budget_bytes: int | None = None):
+def device_budget(mesh) -> int | None:
+  """Half the memory of `mesh`'s first device as it reports it (None when it reports none: CPU,
+  deviceless chips)."""
+  try:
+    stats = mesh.devices.flat[0].memory_stats() or {}
+  except Exception:  # noqa: BLE001 - deviceless (ahead-of-time) devices have no memory stats
+    stats = {}
+  return stats.get("bytes_limit", 0) // 2 or None
+
+
+def decode_layout_for(model: ModelConfig, params, mesh, budget_bytes: int | None = None) -> shd.DecodeLayout:
+  """The sampler's weight layout (`shd.choose_decode_layout`) for `params` (arrays or
+  ShapeDtypeStructs, as the learner stores them) on `mesh`: the compute-dtype copy fits in
+  `budget_bytes` per chip (default: half a device's memory, `device_budget`) replicated over data
+  and fsdp, or else tensor-parallel over as few chips as fit, or else the fallback."""
+  if mesh is None:
+    return shd.DecodeLayout()
+  budget = device_budget(mesh) if budget_bytes is None else budget_bytes
+  shapes = jax.eval_shape(lambda p: decode_cast(model, p), params)
+  return shd.choose_decode_layout(param_logical_axes(model), shapes, mesh, budget)
+
+
+def decode_params(model: ModelConfig, params, mesh, budget_bytes: int | None = None, *,
+                  layout: shd.DecodeLayout | None = None):
   """The sampler's copy of the parameters, made once per step device to device: matrices in the
   compute dtype (vectors such as norm scales stay as stored: the learner applies them in float32
-  too), laid out by `shd.DECODE_RULES`: replicated over data and fsdp, split over tensor, so a
-  decoded token all-gathers no weights (the learner's fsdp layout would gather every layer's
-  weights for every token). Falls back to also sharding `embed` over fsdp when the replicated
-  copy would take more than half a device's memory (`budget_bytes`, default: read from the device;
-  `rljax plan` passes it for deviceless chips, which report none)."""
+  too), laid out by `layout` (default `decode_layout_for(model, params, mesh, budget_bytes)`):
+  replicated over data and fsdp and split over tensor (of the decode mesh, which may fold fsdp
+  into tensor when the replicated copy does not fit), so a decoded token all-gathers no weights
+  (the learner's fsdp layout would gather every layer's weights for every token)."""
   if mesh is None:
     return params
-  cast = jax.tree.map(lambda p: p.astype(model.compute_dtype) if p.ndim >= 2 else p, params)
-  budget = budget_bytes
-  if budget is None:
-    try:
-      stats = mesh.devices.flat[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - deviceless (ahead-of-time) devices have no memory stats
-      stats = {}
-    budget = stats.get("bytes_limit", 0) // 2 or None
-  layout = shd.decode_param_shardings(param_logical_axes(model), cast, mesh, max_bytes_per_device=budget)
-  return jax.lax.with_sharding_constraint(cast, layout)
+  layout = layout or decode_layout_for(model, params, mesh, budget_bytes)
+  cast = decode_cast(model, params)
+  axes = param_logical_axes(model)
+  if layout.fold > 1:
+    # Through the fallback layout on the decode mesh first (embed still split): the learner's
+    # split of embed becomes a split of embed and tensor by exchanges within groups of `fold`
+    # chips, then an all-gather over fsdp, without a full copy of any weight on a chip.
+    staged = dataclasses.replace(layout, fallback=True)
+    cast = jax.lax.with_sharding_constraint(cast, staged.shardings(axes, cast, mesh))
+  return jax.lax.with_sharding_constraint(cast, layout.shardings(axes, cast, mesh))
+
+
+class SegmentCopy:
+  """`params -> the sampler's copy` (`decode_params`, jitted) for the producers that run the segment
+  engine (multi-turn tools, partial rollouts): compute dtype, the decode layout on `mesh`, so a
+  decoded token all-gathers no weights. The segment engine constrains nothing to a folded mesh, so
+  a layout that would fold is replaced by the fallback. The layout is decided at the first call."""
+
+  def __init__(self, model: ModelConfig, mesh):
+    self.model, self.mesh, self._fn = model, mesh, None
+
+  def __call__(self, params):
+    if self.mesh is None:
+      return params
+    if self._fn is None:
+      layout = decode_layout_for(self.model, params, self.mesh)
+      if layout.fold > 1:
+        layout = dataclasses.replace(layout, fold=1, fallback=True)
+      self._fn = jax.jit(lambda p: decode_params(self.model, p, self.mesh, layout=layout))
+    return self._fn(params)
+
+
+def decode_cast(model: ModelConfig, params):
+  """The parameters as the sampler reads them: matrices in the compute dtype, vectors as stored."""
+  return jax.tree.map(lambda p: p.astype(model.compute_dtype) if p.ndim >= 2 else p, params)
 
 
 class SamplerProducer:

@@ -79,13 +79,14 @@ class Slots:
 
 def decode(model: CachedModel, state: DecodeState, prefix: PrefixCache, prompt_len: jax.Array, rng: jax.Array,
            sp: SamplingParams, stop_ids: tuple[int, ...], pad_id: int, slots: int, blocks: int, ends: tuple[int, ...],
-           constrain=lambda x, logical: x) -> tuple[DecodeState, jax.Array]:
+           constrain=lambda x, logical: x, vocab=None) -> tuple[DecodeState, jax.Array]:
   """Decodes every row of `state` through `slots` decode slots (module doc).
 
   state: [B, T] after the first token of every row was chosen (column 0, from the prefill's
   logits, with key fold_in(rng, 0)); rows already done there take no slot. prefix: the prompt
   cache [P, ...]; prompt_len: [B] int32, each row's prompt length. ends: the cache stages
-  (`rljax.rollout.sampler.stage_ends`). constrain: sharding constraints, as in `sample`.
+  (`rljax.rollout.sampler.stage_ends`). constrain: sharding constraints, as in `sample`. vocab: the
+  logits' split over the vocabulary (`rljax.rollout.draw.vocab_shards`), drawn where they lie.
   Returns the state with every row decoded and decode_step [B] int32: the decode step (1-based)
   that chose the row's last token (0 for rows done at their first token).
   """
@@ -126,7 +127,8 @@ def decode(model: CachedModel, state: DecodeState, prefix: PrefixCache, prompt_l
     pointed = prefix.point(flat(s.row // g), blocks)
     logits, cache = model.step(flat(s.tok), flat(take(plen, s.row) + s.t - 1), live, cache, pointed)
     keys = jax.vmap(lambda t: jax.random.fold_in(rng, t))(flat(s.t))
-    tok, lp, ent = sample_logits(constrain(logits, ("batch", None)), sp, keys, rows=flat(s.row + offset))
+    logits = constrain(logits, ("batch", None if vocab is None else "vocab"))
+    tok, lp, ent = sample_logits(logits, sp, keys, rows=flat(s.row + offset), vocab=vocab)
     tok = jnp.where(live, tok, pad_id)
     hit = live & isin(tok, stop_ids)
     done = hit | (live & (flat(s.t) >= t_new - 1))

@@ -39,7 +39,7 @@ from rljax.models.config import ModelConfig
 from rljax.rollout import segments
 from rljax.rollout.decode import Draw
 from rljax.rollout.draw import SamplingParams
-from rljax.rollout.sampler import check_lengths
+from rljax.rollout.sampler import SegmentCopy, check_lengths
 from rljax.rollout.types import Rollout, RolloutInfo, by_rows
 from rljax.tools import FORMATS, end_markers, parse_tool_call
 
@@ -333,10 +333,11 @@ class ToolProducer:
     """tools: the engine; prompts: P, the prompts of one call (all processes)."""
     self.tools, self.mesh = tools, mesh
     self.sharding = shd.batch_sharding(mesh, 2, prompts)
+    self.decode_copy = SegmentCopy(tools.config, mesh)   # the sampler's copy, made once per call
 
   def __call__(self, params, key, prompts) -> tuple[Rollout, RolloutInfo]:
     batch = prompts.next(self.sharding)
-    rollout, info = self.tools.run(params, batch.ids, batch.mask, key)
+    rollout, info = self.tools.run(self.decode_copy(params), batch.ids, batch.mask, key)
     traj, g = info.trajectories, self.tools.sp.num_samples
     per_row = [dict(batch.examples[r // g], tool_calls=int(traj.turns[r]), tool_errors=int(traj.tool_errors[r]))
                for r in range(len(traj.turns))]

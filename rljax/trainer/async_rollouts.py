@@ -14,8 +14,8 @@ import jax
 
 from rljax.errors import RljaxError
 from rljax.models import lora
-from rljax.models.policy import param_shardings
-from rljax.rollout.sampler import SamplerProducer
+from rljax.models.policy import param_logical_axes
+from rljax.rollout.sampler import SamplerProducer, decode_cast, decode_layout_for
 from rljax.trainer import modes
 from rljax.trainer.rollouts import Decoupled, RolloutError, RunContext, StepOutput, rows_on
 from rljax.trainer.setup import generate_program
@@ -30,11 +30,18 @@ class AsyncRollouts(Decoupled):
   mode = modes.MODES["async"]
 
   def __init__(self, ctx: RunContext, state: TrainState):
-    producer = SamplerProducer(generate_program(ctx.setup, ctx.generator_mesh), ctx.generator_mesh, ctx.batch_rows)
-    super().__init__(ctx, state, producer, generator_mesh=ctx.generator_mesh)
+    # The generators' copy of the parameters: the sampler's (compute dtype, its decode layout on the
+    # generator devices), so the generate program reads it as it is and no float32 copy is kept there.
+    model, mesh = ctx.spec.model, ctx.generator_mesh
+    self.gen_layout = decode_layout_for(model, state.model_params(), mesh)
+    shapes = jax.eval_shape(lambda p: decode_cast(model, p), state.model_params())
+    self.gen_param_shardings = self.gen_layout.shardings(param_logical_axes(model), shapes, mesh)
+    self._cast = jax.jit(lambda p: decode_cast(model, p))
+    producer = SamplerProducer(generate_program(ctx.setup, mesh, decode_layout=self.gen_layout), mesh,
+                               ctx.batch_rows)
+    super().__init__(ctx, state, producer, generator_mesh=mesh)
     r = ctx.rollout_cfg
     self.sync_every = r.sync_every
-    self.gen_param_shardings = param_shardings(ctx.spec.model, self.generator_mesh)
     self.cond = threading.Condition()
     self._gen_base = None
     self.published = (self.publish_params(state), self.version)
@@ -46,15 +53,16 @@ class AsyncRollouts(Decoupled):
     self.feed = None
 
   def publish_params(self, state: TrainState):
-    """The learner's parameters resharded onto the generator devices (device to device). Under
-    LoRA the frozen base is copied once and only the adapters at each sync."""
+    """The learner's parameters, cast to the compute dtype where they are, then resharded onto the
+    generator devices in the generators' decode layout (device to device). Under LoRA the frozen
+    base is copied once and only the adapters at each sync."""
     if state.frozen is None:
-      params = jax.device_put(state.params, self.gen_param_shardings)
+      params = jax.device_put(self._cast(state.params), self.gen_param_shardings)
     else:
       base_sh, adapter_sh = lora.split(self.gen_param_shardings)
       if self._gen_base is None:
-        self._gen_base = jax.block_until_ready(jax.device_put(state.frozen, base_sh))
-      params = lora.join(self._gen_base, jax.device_put(state.params, adapter_sh))
+        self._gen_base = jax.block_until_ready(jax.device_put(self._cast(state.frozen), base_sh))
+      params = lora.join(self._gen_base, jax.device_put(self._cast(state.params), adapter_sh))
     return jax.block_until_ready(params)   # the learner's next update donates the source buffers
 
   def _start(self, feed) -> None:

@@ -368,12 +368,13 @@ def prompt_sharding(setup: Setup, mesh):
   return shd.batch_sharding(mesh, 2, setup.batch_rows)
 
 
-def generate_program(setup: Setup, mesh, *, decode_budget_bytes: int | None = None):
+def generate_program(setup: Setup, mesh, *, decode_budget_bytes: int | None = None, decode_layout=None):
   """The single-turn sampler, jitted: `(params, key, prompt_ids [P*O, Lp], prompt_mask) -> Rollout`,
   every rollout array split by rows (unconstrained, XLA may leave them, and the work producing
   them, on one device). decode_budget_bytes: the sampler's weight-layout budget (None: half the
-  device's memory, as it reports it; the plan passes it for deviceless chips)."""
-  generate = make_generate_fn(setup.spec, mesh, decode_budget_bytes=decode_budget_bytes)
+  device's memory, as it reports it; the plan passes it for deviceless chips). decode_layout: the
+  weights' layout (`make_generate_fn`; the plan passes the one it decided at full depth)."""
+  generate = make_generate_fn(setup.spec, mesh, decode_budget_bytes=decode_budget_bytes, decode_layout=decode_layout)
   prompts = lambda dtype: jax.ShapeDtypeStruct((setup.batch_rows, 1), dtype)   # any width: same ranks
   params = jax.eval_shape(lambda: init_params(setup.model, jax.random.key(0)))
   shapes = jax.eval_shape(generate, params, jax.random.key(0), prompts(np.int32), prompts(bool))
@@ -388,13 +389,15 @@ def update_program(setup: Setup, mesh, shardings: TrainState):
 
 
 def train_step_program(setup: Setup, mesh, shardings: TrainState,
-                       reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]], inputs_shardings=None):
+                       reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]], inputs_shardings=None,
+                       decode_layout=None):
   """The fused step (sample -> rewards -> update), jitted with the state donated:
   `(state, prompt_ids [P*O, Lp], prompt_mask[, reward_inputs]) -> (state, metrics)`. reward_fn: the
   reward pool's io_callback bridge, or the plan's `stand_in_reward_fn`. inputs_shardings: those of
   the reward inputs of in-graph reward models and judges (`RewardFn.graph_inputs`), which the
-  step then takes as its fourth argument."""
-  step = make_train_step(setup.spec, setup.optimizer, reward_fn, setup.schedule, mesh=mesh)
+  step then takes as its fourth argument. decode_layout: the sampler's weight layout (`rljax plan`
+  passes the one it decided at the model's full depth; default: chosen when traced)."""
+  step = make_train_step(setup.spec, setup.optimizer, reward_fn, setup.schedule, mesh=mesh, decode_layout=decode_layout)
   return jit_train_step(step, shardings, prompt_sharding(setup, mesh), inputs_shardings)
 
 

@@ -425,15 +425,16 @@ def _logprob_gap(logprobs, params, rollout: Rollout, rows: int) -> dict[str, jax
 def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
                     reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
                     learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None, *,
-                    mesh: jax.sharding.Mesh | None = None):
+                    mesh: jax.sharding.Mesh | None = None, decode_layout=None):
   """Builds the fused `step(state, prompt_ids [P*O, Lp], prompt_mask [P*O, Lp][, reward_inputs]) -> (state, metrics)`.
 
   `reward_fn(tokens [N, T], lengths [N][, reward_inputs]) -> (rewards [N] f32, components [N, K] f32)` is the
   io_callback bridge of the reward pool; `reward_inputs` (`reward_fn.graph_inputs`: the reward models' and judges'
   parameters and prompt pieces) lets it score the rows with those models in this program first. The returned
-  function is not jitted; the caller jits it with shardings and donation (see `jit_train_step`).
+  function is not jitted; the caller jits it with shardings and donation (see `jit_train_step`). decode_layout:
+  the sampler's weight layout (`make_generate_fn`; default: chosen from the device's memory when traced).
   """
-  generate = make_generate_fn(spec, mesh)
+  generate = make_generate_fn(spec, mesh, decode_layout=decode_layout)
   update = make_update_fn(spec, optimizer, learning_rate_fn, mesh=mesh)
 
   def step(state: TrainState, prompt_ids, prompt_mask, reward_inputs=None):
