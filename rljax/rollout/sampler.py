@@ -44,7 +44,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from rljax import sharding as shd
@@ -193,7 +192,7 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
 
   def body(carry):
     t, tok, cache, state = carry
-    logits, cache = model.step(tok, prompt_len + t - 1, ~state.done, cache, prefix)
+    logits, cache, _ = model.step(tok, prompt_len + t - 1, ~state.done, cache, prefix)
     state, tok = choose_column(state, rows(logits), t)
     return (t + 1, tok, cache.constrain(constrain), state)
 
