@@ -6,6 +6,7 @@ Each command imports what it needs when it runs (jax, the trainer, the planner),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import logging
@@ -55,10 +56,17 @@ the run directory (config.output.dir) remembers its resolved config (config.json
     (--config.output.dir=runs/NEW) or start over with --overwrite;
   - a finished run (its checkpoint reached train.steps) says so; raise train.steps to extend it.
   Fields that may differ on resume: train.steps, output.*, eval.*, checkpoint cadence and
-  retention, mesh.*, model.remat, model.attention, worker counts, optim.max_consecutive_skips.
+  retention, mesh.*, model.remat, model.attention, worker counts, optim.max_consecutive_skips,
+  train.stop_signals.
+  - a run stopped after its last checkpoint (killed during its final evaluation or export)
+    completes what it had not done.
+  - one run per directory: a second start into a directory in use stops at once.
+
+stopping: Ctrl-C (SIGINT) or SIGTERM stops after the step in progress with a checkpoint and
+prints the command that resumes; a second one exits at once (config.train.stop_signals).
 
 examples:
-  rljax train                                           # the embedded default (about 9 min on 2 CPU cores)
+  rljax train                                           # the embedded default (README: Default run results)
   rljax train --config configs/smoke.py --config.train.steps=5
   rljax train --config configs/default.py --config.rl.preset=dr_grpo --dry-run
   rljax train --gin_file configs/default.gin --gin_bindings 'train.steps = 4'"""
@@ -82,14 +90,11 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def _preflight(cfg) -> None:
-  """The checks that need files but no weights: the model's context (from its config or GGUF
-  header) and the data sources (each must yield a valid example), before the model loads."""
-  config_lib.check_model_fits_early(cfg)
-  from rljax.data import build_dataset
-  data_cfg = cfg.data.to_dict()
-  build_dataset(data_cfg, split="train")
-  if cfg.eval.every or cfg.eval.before_and_after:
-    build_dataset(data_cfg, split="test")
+  """The checks that need files but no weights (rljax/config/preflight.py: model path, context,
+  tokenizer and chat template, data rows and prompt lengths), before the model loads."""
+  from rljax.config.preflight import check_files
+  for note in check_files(cfg):
+    print(f"note: {note}", flush=True)
 
 
 def _primary_process() -> bool:
@@ -101,49 +106,159 @@ def _primary_process() -> bool:
   return True
 
 
+def _resume_command(argv: Sequence[str]) -> str:
+  """`rljax train ARGS` as given, less what would not resume (--overwrite, checkpoint.resume=False)."""
+  import shlex
+  keep, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+      continue
+    if a in ("--overwrite", "--dry-run"):
+      continue
+    if a.startswith("--config.checkpoint.resume"):
+      skip = "=" not in a
+      continue
+    keep.append(a)
+  return shlex.join(["rljax", "train", *keep])
+
+
+def _real_start(cfg, overwrite: bool) -> str:
+  """What `rljax train` without --dry-run would do with config.output.dir, in one sentence (reads only)."""
+  from rljax.trainer import rundir
+  from rljax.trainer.runlock import holder
+  out = cfg.output.dir
+  owner = holder(out)
+  if owner is not None:
+    return (f"a real start would stop now: {out} is in use by process {owner.get('pid', '?')} "
+            f"({owner.get('command', '')})")
+  try:
+    run = rundir.check_resume(cfg, overwrite=overwrite)
+  except rundir.RunFinished as e:
+    return f"a real start would do nothing: {e}"
+  except ConfigError as e:
+    return f"a real start would stop here: {e}"
+  if run.start_over:
+    outputs = ", ".join(os.path.basename(p) for p in rundir.run_outputs(out))
+    return (f"a real start would delete the earlier run's outputs in {out} (latest checkpoint: step "
+            f"{run.latest_step}): "
+            f"{outputs}")
+  if run.finishing:
+    return f"a real start would complete the run in {out} (it reached step {run.latest_step}; its end is missing)"
+  if run.resuming:
+    return f"a real start would resume {out} from step {run.latest_step}"
+  return f"a real start would write to {out}"
+
+
+def _dry_run(cfg) -> int:
+  """Validates and builds the whole run as a fresh start in a temporary directory: the run
+  directory is only read, whatever it holds (the note says what a real start would do there)."""
+  import copy
+  import tempfile
+  note = _real_start(cfg, overwrite=not cfg.checkpoint.resume)
+  _preflight(cfg)
+  print("dry run: loading the model and building the run (in a temporary directory) ...", flush=True)
+  from rljax.trainer.loop import Trainer
+  with tempfile.TemporaryDirectory(prefix="rljax-dry-run-") as tmp:
+    dry = copy.deepcopy(cfg)
+    with dry.unlocked():
+      dry.output.dir, dry.checkpoint.resume = tmp, False
+    from rljax import progress
+    with progress.phase("loading the model and building the run (dry run)"):
+      trainer = Trainer(dry)
+    try:
+      mc = trainer.model_config
+      size = f" ({mc.num_params / 1e6:.1f}M params)"
+      if mc.lora is not None:
+        import jax
+        trainable = sum(x.size for x in jax.tree.leaves(trainer.state.params))
+        size = f" ({mc.num_params / 1e6:.1f}M params frozen, {trainable / 1e6:.2f}M LoRA parameters trained)"
+    finally:
+      trainer.close()
+  print(f"config OK; model {cfg.model.path}{size}; run dir {cfg.output.dir} (dry run: nothing written there)")
+  print(f"dry run: {note}")
+  return 0
+
+
 def cmd_train(argv: Sequence[str]) -> int:
+  from rljax import config as config_lib
+  given = list(argv)
   gin_files, gin_bindings, argv = config_lib.split_gin_args(argv)
   path, overrides, rest = config_lib.split_config_args(argv)
   args = _train_parser().parse_args(rest)   # --help ends here, before anything loads
   cfg = config_lib.build_config(path, gin_files, gin_bindings, overrides)
   from rljax.trainer import rundir
+  from rljax.trainer.runlock import RunLock
   if args.overwrite and cfg.checkpoint.resume:
     with cfg.checkpoint.unlocked():
       cfg.checkpoint.resume = False
-  run = rundir.check_resume(cfg, overwrite=not cfg.checkpoint.resume)
+  if args.dry_run:
+    return _dry_run(cfg)
+  # Everything that can be checked without the weights, before anything in the run dir is touched.
+  rundir.check_resume(cfg, overwrite=not cfg.checkpoint.resume)
   _preflight(cfg)
   out = cfg.output.dir
-  if run.start_over:
-    outputs = ", ".join(os.path.basename(p) for p in rundir.run_outputs(out))
-    if args.dry_run:
-      print(f"dry run: a real start would delete the earlier run's outputs in {out} (latest checkpoint: step "
-            f"{run.latest_step}): {outputs}")
-    elif _primary_process():   # the other processes of a multi-process launch leave it to process 0
-      rundir.clear_run(out)
-      print(f"starting over in {out}: deleted the earlier run's {outputs} (it had reached step {run.latest_step})")
-  where = f"resuming {out} from step {run.latest_step}" if run.resuming else f"writing to {out}"
-  source = path or (", ".join(gin_files) if gin_files else "the embedded default (configs/default.py)")
-  print(f"rljax train: {source}; model {cfg.model.path}; "
-        f"{cfg.train.steps} steps of {cfg.train.prompts_per_step} prompts x {cfg.sampling.num_samples} samples, "
-        f"rl.preset={cfg.rl.preset}, rollout.mode={cfg.rollout.mode}"
-        f"{f', LoRA rank {cfg.model.lora.rank}' if cfg.model.lora.rank else ''}; {where}", flush=True)
-  print("loading the model and building the run ...", flush=True)
-  from rljax.trainer.loop import Trainer
-  trainer = Trainer(cfg)
-  if args.dry_run:
-    mc = getattr(trainer, "model_config", None) or getattr(getattr(trainer, "policy", None), "config", None)
-    size = f" ({mc.num_params / 1e6:.1f}M params)" if mc is not None else ""
-    if mc is not None and mc.lora is not None:
-      import jax
-      trainable = sum(x.size for x in jax.tree.leaves(trainer.state.params))
-      size = f" ({mc.num_params / 1e6:.1f}M params frozen, {trainable / 1e6:.2f}M LoRA parameters trained)"
-    print(f"config OK; model {cfg.model.path}{size}; run dir {out} (dry run: no config, metrics or checkpoint "
-          "written)")
-    trainer.close()
-    return 0
-  summary = trainer.run()
+  primary = _primary_process()   # the other processes of a multi-process launch leave the run dir to process 0
+  existed = os.path.isdir(out)
+  with RunLock(out) if primary else contextlib.nullcontext():
+    if primary and (back := rundir.recover_replaced(out)):
+      print(f"{out}: put back the earlier run's {', '.join(back)} (a start over was stopped before it began)")
+    run = rundir.check_resume(cfg, overwrite=not cfg.checkpoint.resume)
+    if run.finishing:
+      where = (f"completing the run in {out}: it reached its last step ({run.latest_step}) but stopped before its "
+               "end (evaluation after training, export, summary)")
+    elif run.resuming:
+      where = f"resuming {out} from step {run.latest_step}"
+    else:
+      where = f"writing to {out}"
+    source = path or (", ".join(gin_files) if gin_files else "the embedded default (configs/default.py)")
+    print(f"rljax train: {source}; model {cfg.model.path}; "
+          f"{cfg.train.steps} steps of {cfg.train.prompts_per_step} prompts x {cfg.sampling.num_samples} samples, "
+          f"rl.preset={cfg.rl.preset}, rollout.mode={cfg.rollout.mode}"
+          f"{f', LoRA rank {cfg.model.lora.rank}' if cfg.model.lora.rank else ''}; {where}", flush=True)
+    replaced = rundir.StartOver(out) if run.start_over and primary else None
+    outputs = ", ".join(replaced.set_aside()) if replaced else ""
+    print("loading the model and building the run ...", flush=True)
+    from rljax import progress
+    from rljax.trainer.loop import Interrupted, Trainer
+    try:
+      with progress.phase("loading the model and building the run"):
+        trainer = Trainer(cfg)
+    except BaseException:
+      if replaced:
+        replaced.restore()
+        print(f"the start failed; the earlier run's outputs in {out} are kept ({outputs})", file=sys.stderr)
+      elif not existed:
+        _remove_empty_tree(out)
+      raise
+    if replaced:
+      replaced.commit()
+      print(f"starting over in {out}: deleted the earlier run's {outputs} (it had reached step {run.latest_step})",
+            flush=True)
+    try:
+      summary = trainer.run()
+    except Interrupted as e:
+      import signal
+      print(f"\nrljax train: {e}\n  resume with: {_resume_command(given)}", flush=True)
+      return 130 if e.signum == signal.SIGINT else 0
   _print_summary(summary)
   return 0
+
+
+def _remove_empty_tree(path: str) -> None:
+  """Removes `path` if it holds only empty directories (what a start that failed early left)."""
+  for root, dirs, files in os.walk(path, topdown=False):
+    if files:
+      return
+    for d in dirs:
+      try:
+        os.rmdir(os.path.join(root, d))
+      except OSError:
+        return
+  try:
+    os.rmdir(path)
+  except OSError:
+    pass
 
 
 def _print_summary(summary) -> None:
@@ -159,6 +274,9 @@ def _print_summary(summary) -> None:
       print(f"{label:>22}: {summary[key]}")
   if summary.get("tensorboard_dir"):
     print(f"{'TensorBoard':>22}: tensorboard --logdir {summary['tensorboard_dir']}")
+  if summary.get("wandb_dir"):
+    print(f"{'Weights & Biases':>22}: {summary['wandb_dir']} (offline runs: wandb sync "
+          f"{summary['wandb_dir']}/offline-run-*)")
 
 
 def cmd_config(argv: Sequence[str]) -> int:
@@ -197,7 +315,9 @@ def cmd_plan(argv: Sequence[str]) -> int:
       raise RljaxError("`rljax plan` is not part of this installation (the module rljax.plan is missing); "
                        "install a version of rljax that has it.") from None
     raise
-  return int(plan.main(list(argv)) or 0)
+  from rljax import progress
+  with progress.phase("rljax plan: building and compiling the run's programs for the topology"):
+    return int(plan.main(list(argv)) or 0)
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
@@ -222,7 +342,12 @@ def cmd_generate(argv: Sequence[str]) -> int:
   args = parser.parse_args(argv)
   import jax
   import numpy as np
-  policy = rljax.load_pretrained(args.model)
+
+  import rljax
+  from rljax import progress
+  print(f"rljax generate: loading {args.model} ...", file=sys.stderr, flush=True)
+  with progress.phase(f"loading {args.model}"):
+    policy = rljax.load_pretrained(args.model)
   tok = policy.tokenizer
   texts = [p if args.no_chat_template else tok.apply_chat_template([{"role": "user", "content": p}],
                                                                       add_generation_prompt=True)
@@ -237,8 +362,11 @@ def cmd_generate(argv: Sequence[str]) -> int:
   sp = rljax.SamplingParams(num_samples=args.samples, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature or 1.0, greedy=args.temperature == 0,
                             stop_token_ids=tuple(tok.stop_ids))
-  out = rljax.generate(policy, prompt, sp, jax.random.key(args.seed), prompt_mask=mask)
-  tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+  print(f"rljax generate: compiling the sampler and generating {len(ids) * args.samples} completion(s) of up to "
+        f"{args.max_new_tokens} tokens ...", file=sys.stderr, flush=True)
+  with progress.phase("generating (the first call compiles the sampler)"):
+    out = rljax.generate(policy, prompt, sp, jax.random.key(args.seed), prompt_mask=mask)
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   for r in range(tokens.shape[0]):
     print(json.dumps({"prompt": args.prompt[r // args.samples],
                       "completion": tok.decode(tokens[r, :lengths[r]].tolist())}, ensure_ascii=False))
@@ -270,8 +398,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     print(f"rljax: unknown command {command!r}.{hint}\n\n{USAGE}", file=sys.stderr)
     return 2
+  if command != "plan":   # plan compiles for TPUs through libtpu; the others need no TPU plugin without a TPU
+    from rljax.platforms import quiet_without_tpu
+    quiet_without_tpu()
+  _working_directory_importable()
+  from rljax.progress import Heartbeat
+  from rljax.trainer.rundir import RunFinished
   try:
-    return COMMANDS[command](rest)
+    with Heartbeat(enabled=command != "config" and "--quiet" not in rest):
+      return COMMANDS[command](rest)
+  except RunFinished as e:
+    print(f"rljax {command}: {e}")
+    return 0
   except RljaxError as e:
     from rljax.trainer.rundir import RunFinished  # here, not at start-up: the run dir's module imports jax
     if isinstance(e, RunFinished):
@@ -279,6 +417,18 @@ def main(argv: Sequence[str] | None = None) -> int:
       return 0
     print(f"rljax {command}: error: {e}", file=sys.stderr)
     return 1
+  except KeyboardInterrupt:
+    print(f"\nrljax {command}: interrupted", file=sys.stderr)
+    return 130
+
+
+def _working_directory_importable() -> None:
+  """Puts the working directory on sys.path, as `python -m` does, so `--config.rewards...verifier=
+  my_verifiers:score` finds my_verifiers.py there from the `rljax` console script too (whose
+  sys.path starts at its own bin directory). Reward workers inherit sys.path."""
+  cwd = os.getcwd()
+  if not any(p in ("", cwd) for p in sys.path):
+    sys.path.insert(0, cwd)
 
 
 if __name__ == "__main__":

@@ -53,17 +53,19 @@ def train_flops(config, tokens: int, context: float) -> float:
 
 def rollout_step_flops(config, *, sample_prompts: int, update_prompts: int, group: int, prompt_len: int,
                        decode_steps: int, completion_len: int, epochs: int = 1,
-                       extra_forwards: int = 0) -> dict[str, float]:
+                       extra_forwards: int = 0, decode_rows: int | None = None) -> dict[str, float]:
   """FLOPs of one generate-score-update step, by phase.
 
   sample: one prefill per prompt ([sample_prompts, prompt_len]), then `decode_steps` tokens for
-  each of sample_prompts * group rows. update: forward + backward (`train_flops`) over
+  each of `decode_rows` rows (default sample_prompts * group, one per sample; fewer with the
+  sampler's decode slots, sampling.slots). update: forward + backward (`train_flops`) over
   [update_prompts * group, prompt_len + completion_len] per epoch, plus `extra_forwards` forwards
   (a reference model, recomputed old log-probs). The two prompt counts differ under dynamic
   sampling, which generates for more prompts than it trains on.
   """
   prefill = forward_flops(config, sample_prompts * prompt_len, prompt_len / 2)
-  decode = forward_flops(config, sample_prompts * group * decode_steps, prompt_len + decode_steps / 2)
+  rows = sample_prompts * group if decode_rows is None else decode_rows
+  decode = forward_flops(config, rows * decode_steps, prompt_len + decode_steps / 2)
   seq = prompt_len + completion_len
   tokens = update_prompts * group * seq
   update = epochs * train_flops(config, tokens, seq / 2) + extra_forwards * forward_flops(config, tokens, seq / 2)
@@ -93,6 +95,34 @@ def matmul_peak(size: int = 1024, dtype=jnp.float32, iters: int = 5, device=None
   b = jax.device_put(jax.random.normal(k2, (size, size), dtype), device)
   f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=dtype))
   return 2 * size**3 / timed(lambda: f(a, b).block_until_ready(), iters, reduce)
+
+
+def matmul_rates(size: int = 1024, dtype=jnp.float32, iters: int = 10, device=None) -> tuple[float, float]:
+  """(best wall-clock rate, best CPU-time rate) in FLOP/s of a jitted [size, size] @ [size, size] matmul.
+
+  The CPU-time rate is FLOPs over this process's CPU seconds, times the cores it may use: the
+  rate the matmul runs at while it has the cores. Other processes on a busy machine take wall time
+  from it, not CPU time, so this rate holds up under load where the wall-clock one falls (2 cores,
+  load 11: 21-28 GFLOP/s by the wall clock, 153-197 by CPU time, 211 measured quiet). Threads
+  that spin while waiting count as CPU time, so it errs low, never high.
+  """
+  device = device or jax.local_devices()[0]
+  k1, k2 = jax.random.split(jax.random.key(0))
+  a = jax.device_put(jax.random.normal(k1, (size, size), dtype), device)
+  b = jax.device_put(jax.random.normal(k2, (size, size), dtype), device)
+  f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=dtype))
+  f(a, b).block_until_ready()
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    cores = os.cpu_count() or 1
+  wall = cpu = math.inf
+  for _ in range(iters):
+    w0, c0 = time.perf_counter(), time.process_time()
+    f(a, b).block_until_ready()
+    wall, cpu = min(wall, time.perf_counter() - w0), min(cpu, time.process_time() - c0)
+  flop = 2 * size**3
+  return flop / max(wall, 1e-12), flop * cores / max(cpu, 1e-12)
 
 
 PEAK_ENV = "RLJAX_PEAK_FLOPS"        # a peak FLOP/s (all devices together) to use instead of a figure found here
@@ -166,9 +196,12 @@ def device_peak_flops(dtype_name: str = "float32") -> tuple[float, str]:
 
   $RLJAX_PEAK_FLOPS, when set, wins. Accelerators: the spec-sheet dense bf16 rate per chip (half
   of it for float32 on GPUs). CPUs and unknown devices: the best rate of a 1024^3 matmul on one
-  local device, timed now (fastest of 10 runs) or on an earlier run on this machine (cached in
-  `cache_dir()`), whichever is higher; simulated CPU devices share their host's cores, so a
-  CPU's rate is counted once per process (host), not per device.
+  local device, timed now (fastest of 10 runs, by the wall clock or, on a CPU, by this process's
+  CPU time, whichever is higher: `matmul_rates`) or on an earlier run on this machine (cached in
+  `cache_dir()`, never lowered), whichever is higher; simulated CPU devices share their host's
+  cores, so a CPU's rate is counted once per process (host), not per device. Timing by CPU time
+  keeps a first measurement on a busy machine from caching a low peak (and MFU above 60% for
+  steps the load had slowed).
   """
   if os.environ.get(PEAK_ENV):
     try:
@@ -185,9 +218,10 @@ def device_peak_flops(dtype_name: str = "float32") -> tuple[float, str]:
       if name in kind:
         scale = 0.5 if dtype_name == "float32" and devices[0].platform == "gpu" else 1.0
         return peak * scale * len(devices), f"spec sheet ({kind}, {len(devices)} chips)"
-  measured = matmul_peak(dtype=jnp.dtype(dtype_name), iters=10, reduce=min)
+  wall, by_cpu = matmul_rates(dtype=jnp.dtype(dtype_name), iters=10)
+  measured = max(wall, by_cpu) if devices[0].platform == "cpu" else wall
   peak = best_measured_peak(_cache_key(f"{devices[0].platform}:{kind}", dtype_name), measured)
   count = jax.process_count() if devices[0].platform == "cpu" else len(devices)
-  source = (f"best measured 1024^3 {dtype_name} matmul ({kind}; now {measured:.3g}, best on this machine "
-            f"{peak:.3g} FLOP/s, cached in {cache_dir()})")
+  source = (f"best measured 1024^3 {dtype_name} matmul ({kind}; now {wall:.3g} by the wall clock, {by_cpu:.3g} by "
+            f"CPU time; best on this machine {peak:.3g} FLOP/s, cached in {cache_dir()})")
   return peak * count, source

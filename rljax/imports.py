@@ -17,8 +17,13 @@ def import_object(ref: str, what: str) -> Any:
   try:
     obj: Any = importlib.import_module(module_name)
   except ImportError as e:
+    where = ""
+    if isinstance(e, ModuleNotFoundError) and e.name == module_name.split(".")[0]:
+      import os
+      where = (f" Modules are found on sys.path: the working directory ({os.getcwd()}), PYTHONPATH and the installed "
+               f"packages; for a file elsewhere, run with PYTHONPATH=/its/directory.")
     raise ConfigError(f"{what} '{ref}': cannot import module '{module_name}' ({e}); check the path and that "
-                      "the module is importable (on sys.path).") from e
+                      f"the module is importable (on sys.path).{where}") from e
   for part in attr.split("."):
     if not hasattr(obj, part):
       raise ConfigError(f"{what} '{ref}': module '{module_name}' has no attribute '{attr}'.")

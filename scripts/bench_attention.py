@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchlib import Result, add_json_arg, machine, report  # noqa: E402
+
 from rljax import sharding as shd  # noqa: E402
 from rljax.models.attention import attend  # noqa: E402
 

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from benchlib import Result, add_json_arg, report  # noqa: E402
+
 from rljax.flops import forward_flops, matmul_peak, timed  # noqa: E402
 
 
@@ -76,7 +76,8 @@ def main(argv=None):
   print("-" * (width + 50))
   work = f"forward, batch {args.batch} x {args.length}, {args.dtype}"
   return report([Result(f"{work}: tokens/s", f"{tokens / seconds:,.0f}"),
-                 Result(f"{work}: fraction of measured matmul peak ({peak / 1e9:.0f} GFLOP/s)", f"{achieved / peak:.0%}")],
+                 Result(f"{work}: fraction of measured matmul peak ({peak / 1e9:.0f} GFLOP/s)",
+                        f"{achieved / peak:.0%}")],
                 args.json)
 
 

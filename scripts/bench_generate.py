@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from benchlib import Result, add_json_arg, report  # noqa: E402
 
 import rljax  # noqa: E402
-from benchlib import Result, add_json_arg, report  # noqa: E402
 from rljax.flops import matmul_peak as measured_matmul_peak  # noqa: E402
 from rljax.rollout import SamplingParams, generate  # noqa: E402
 
@@ -80,6 +80,7 @@ def run_rljax(policy, ids, mask, sp: SamplingParams, seed: int):
 def hf_model(policy):
   import torch
   import transformers
+
   from rljax.models.convert import params_to_hf
   hf_cfg = transformers.AutoConfig.for_model(**policy.config.to_hf())
   model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()

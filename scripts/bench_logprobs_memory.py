@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchlib import Result, add_json_arg, report  # noqa: E402
+
 from rljax.rl import chunked_logprobs, naive_logprobs  # noqa: E402
 
 GIB = 1024**3

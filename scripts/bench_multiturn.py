@@ -39,7 +39,6 @@ def main():
 
   import jax
   import numpy as np
-
   from tools_testlib import scripted_tool_rollout
 
   from rljax.models.io import load_pretrained
@@ -62,7 +61,8 @@ def main():
   out, seconds, metrics = {}, {}, {}
   with ToolRunner(["calculator"], num_workers=2) as runner:
     for resume in ("cache", "reprefill"):
-      engine = scripted_tool_rollout(policy.config, tok, runner, sp, script, fmt="hermes", prefill=resume == "reprefill",
+      engine = scripted_tool_rollout(policy.config, tok, runner, sp, script, fmt="hermes",
+                                     prefill=resume == "reprefill",
                                      max_turns=args.turns, segment_tokens=args.segment)
       engine.run(policy.params, ids, mask, jax.random.key(0))      # compiles
       start = time.perf_counter()

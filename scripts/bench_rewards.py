@@ -24,6 +24,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchlib import Result, add_json_arg, report  # noqa: E402
+
 from rljax.rewards import RewardPool, RewardSpec  # noqa: E402
 
 
@@ -106,7 +107,8 @@ def throughput(args) -> list[Result]:
   comps, exs = code_items(args.code)
   with RewardPool(spec("code", args.workers)) as pool:
     t, m = timed(pool, comps, exs)
-  results.append(Result(f"reward pool, {args.code} `code` items (3 sandboxed tests each): rewards/s", f"{args.code / t:.1f}"))
+  results.append(Result(f"reward pool, {args.code} `code` items (3 sandboxed tests each): rewards/s",
+                        f"{args.code / t:.1f}"))
   print(f"code  {args.code:5d} items, {args.workers} workers: {t:7.2f} s  {args.code / t:8.1f} rewards/s "
         f"(3 sandboxed runs per item; accuracy {m['reward/accuracy']:.2f}, failures {m['verifier/failures']:.0f})")
   return results

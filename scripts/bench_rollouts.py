@@ -41,7 +41,8 @@ def make_config(mode: str, out_dir: str, args, delay_s: float, steps: int, stale
   cfg = load_config_file(os.path.join(os.path.dirname(__file__), "..", "rljax", "configs", "smoke.py"))
   apply_overrides(cfg, [
       f"output.dir={out_dir!r}", "checkpoint.resume=False", f"train.steps={steps}",
-      f"rollout.mode={mode!r}", f"rollout.max_staleness={staleness}", f"rollout.proximal={proximal!r}", f"sampling.max_new_tokens={args.new_tokens}", "sampling.ignore_eos=True",
+      f"rollout.mode={mode!r}", f"rollout.max_staleness={staleness}", f"rollout.proximal={proximal!r}",
+      f"sampling.max_new_tokens={args.new_tokens}", "sampling.ignore_eos=True",
       f"model.random.hidden_size={args.hidden}", f"model.random.intermediate_size={4 * args.hidden}",
       f"model.random.num_layers={args.layers}", "model.random.head_dim=32", "model.random.num_heads=4",
       "optim.learning_rate=0.01", f"rewards.num_workers={args.workers}", "output.tensorboard=False"])
@@ -113,7 +114,8 @@ def main() -> None:
   results += [Result(f"rollout mode {r['mode']}: reward/s", f"{r['reward_per_s']:.2f}",
                      f"fused {fused['reward_per_s']:.2f}", ratio(r, fused, "reward_per_s")) for r in rows[1:]]
   results += [Result(f"rollout mode {r['mode']} vs the same two programs without overlap: completions/s",
-                     f"{r['completions_per_s']:.2f}", f"pipelined (max_staleness=0) {sequential['completions_per_s']:.2f}",
+                     f"{r['completions_per_s']:.2f}",
+                     f"pipelined (max_staleness=0) {sequential['completions_per_s']:.2f}",
                      ratio(r, sequential, "completions_per_s")) for r in rows[2:]]
   report(results, args.json)
 

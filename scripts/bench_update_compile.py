@@ -19,15 +19,15 @@ import numpy as np
 
 
 def build(mini_batches: int, layers: int, prompts: int, group: int, width: int, new_tokens: int):
+  import ml_collections
+
   from rljax.models.config import ModelConfig
   from rljax.models.policy import init_params
   from rljax.rl import LossConfig
-  from rljax.rollout import Rollout
-  from rljax.rollout import SamplingParams
+  from rljax.rollout import Rollout, SamplingParams
   from rljax.trainer.optim import make_optimizer
   from rljax.trainer.state import TrainState
   from rljax.trainer.step import StepSpec, make_update_fn
-  import ml_collections
   mc = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=layers, num_heads=4,
                    num_kv_heads=2, head_dim=64)
   sp = SamplingParams(num_samples=group, max_new_tokens=new_tokens, temperature=1.0)

@@ -66,7 +66,9 @@ def run_cell(argv: list[str]) -> dict:
   """The plan of one cell, in this process (libtpu and jax start once for the whole table)."""
   import contextlib
   import io
+
   import jax
+
   from rljax.plan import main
   out = io.StringIO()
   with contextlib.redirect_stdout(out):

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rljax import sharding as shd

@@ -28,7 +28,8 @@ def rljax(*args, timeout=120, **kw):
 
 
 def fake_run(out_dir, *overrides, steps=(20,)):
-  """A smoke run directory as training leaves it (config.json, complete checkpoint steps), without training."""
+  """A finished smoke run directory as training leaves it (config.json, complete checkpoint steps,
+  summary.json), without training."""
   cfg = load_config_file(SMOKE)
   apply_overrides(cfg, [f"output.dir={str(out_dir)!r}", *overrides])
   rundir.write_config(cfg, str(out_dir))
@@ -37,6 +38,7 @@ def fake_run(out_dir, *overrides, steps=(20,)):
     for item in ("state", "format"):
       os.makedirs(os.path.join(d, item))
     open(os.path.join(d, "_CHECKPOINT_METADATA"), "w").write("{}")
+  rundir.write_summary(str(out_dir), max(steps), {"output_dir": str(out_dir)})
   return cfg
 
 
@@ -137,7 +139,7 @@ def test_weaker_messages_name_the_field_and_the_fix(tmp_path, capsys):
 def test_source_without_valid_rows_and_eval_on_the_training_file(tmp_path, capsys):
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"q": "1 + 1"}\n{"q": "2 + 2"}\n')
-  source = f"--config.data.sources=[{{'kind': 'jsonl', 'path': '{bad}', 'verifier': 'exact'}}]"
+  source = f"--config.data.sources=[{{'kind': 'jsonl', 'path': '{bad}', 'verifier': 'none'}}]"
   err = _main_error(capsys, f"--config.output.dir={tmp_path / 'run'}", source)
   assert f"{bad} line 1: missing prompt field 'prompt'" in err and "none of its 2 rows" in err
   err = _main_error(capsys, f"--config.output.dir={tmp_path / 'run'}", source, "--config.eval.before_and_after=True")
@@ -169,15 +171,41 @@ def test_finished_run_says_so_and_how_to_extend_it(tmp_path):
   assert snapshot(out) == before
 
 
-def test_dry_run_writes_nothing_into_an_existing_run(tmp_path):
+def test_dry_run_builds_whatever_the_run_dir_holds_and_writes_nothing(tmp_path, capsys):
+  """Issue 39 item 6: a dry run validates and builds the run even where a real start would stop
+  (another config, a finished run) and says what a real start would do; it writes nothing there."""
   out = tmp_path / "run"
-  fake_run(out, "output.progress=False")                  # config.json differs from the new one in an allowed field
+  fake_run(out, "output.progress=False")                  # a finished run; its config differs in an allowed field
   (out / "metrics.jsonl").write_text('{"step": 20, "loss": 1.0}\n')
   before = snapshot(out)
-  rc, stdout, err = rljax("train", "--config", SMOKE, f"--config.output.dir={out}", "--overwrite", "--dry-run",
-                          timeout=300)
-  assert rc == 0, err[-3000:]
-  assert "a real start would delete the earlier run's outputs" in stdout and "config OK" in stdout
+  for extra, note in ((["--config.rollout.mode=pipelined"], 'a real start would stop here: .* rollout.mode: "fused" '
+                                                            '-> "pipelined"'),
+                      ([], "a real start would do nothing: the run in .* is finished"),
+                      (["--overwrite"], "a real start would delete the earlier run's outputs in .*: .*checkpoints")):
+    assert cli.main(["train", "--config", SMOKE, f"--config.output.dir={out}", *extra, "--dry-run"]) == 0
+    stdout = capsys.readouterr().out
+    assert "config OK; model random (" in stdout and re.search(note, stdout, re.S), stdout
+    assert snapshot(out) == before
+
+
+def test_overwrite_deletes_nothing_until_the_new_run_is_built(tmp_path, capsys):
+  """Item 1: `--overwrite` with a model path that does not exist, or whose weights fail to load,
+  stops with the earlier run intact."""
+  out = tmp_path / "run"
+  fake_run(out)
+  (out / "metrics.jsonl").write_text('{"step": 20, "loss": 1.0}\n')
+  before = snapshot(out)
+  err = _main_error(capsys, f"--config.output.dir={out}", "--overwrite", f"--config.model.path={tmp_path / 'nope'}")
+  assert "model.path" in err and "nope" in err
+  assert snapshot(out) == before
+  broken = tmp_path / "broken"                            # a config.json (the context checks pass), no weights
+  broken.mkdir()
+  (broken / "config.json").write_text(json.dumps({
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 32,
+      "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}))
+  err = _main_error(capsys, f"--config.output.dir={out}", "--overwrite", f"--config.model.path={broken}")
+  assert "the earlier run's outputs in" in err and "are kept" in err, err
   assert snapshot(out) == before
 
 

@@ -49,7 +49,8 @@ def test_rewards_are_validated_with_the_config():
   with pytest.raises(ConfigError, match=r"config.rewards.components\[0\] \('x'\).kwargs: verifier 'arithmetic' takes "
                                         r"no keyword argument 'nope'"):
     validate(c)
-  validate(_config("mesh.shape=(4,1,1)", "train.prompts_per_step=8", "model.lora.rank=64"))  # the limits themselves pass
+  # the limits themselves pass
+  validate(_config("mesh.shape=(4,1,1)", "train.prompts_per_step=8", "model.lora.rank=64"))
 
 
 def test_lora_rank_is_checked_against_a_model_directory(tmp_path):

@@ -5,8 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from rljax.data import PromptBatcher, build_dataset
-from rljax.data import batching
+from rljax.data import PromptBatcher, batching, build_dataset
 from rljax.errors import ConfigError, DataError
 
 

@@ -231,7 +231,8 @@ def test_config_dict_is_accepted(tmp_path):
     ({"sources": [{"kind": "arithmetic"}], "num_epochs": 0}, r"num_epochs=0"),
     ({"sources": [{"kind": "jsonl", "verifier": "x", "path": "p", "fields": {"extra": ["answer"]}}]},
      r"extra\.answer: 'answer' is reserved"),
-    ({"sources": [{"kind": "arithmetic", "label": "a"}, {"kind": "countdown", "label": "a"}]}, r"label 'a' is used by more than one"),
+    ({"sources": [{"kind": "arithmetic", "label": "a"}, {"kind": "countdown", "label": "a"}]}, r"label 'a' is used "
+                                                                                               r"by more than one"),
     ({"sources": [{"kind": "tfds", "verifier": "x"}]}, r"exactly one of 'name'"),
 ])
 def test_config_errors_name_the_field(cfg, pattern):
@@ -295,8 +296,8 @@ def test_overlong_jsonl_line_is_a_malformed_row_read_in_bounded_memory(tmp_path)
     f.write(json.dumps({"prompt": "first", "answer": "1"}) + "\n")
     f.write('{"prompt": "' + "x" * (4 << 20) + '", "answer": "2"}\n')
     f.write(json.dumps({"prompt": "last", "answer": "3"}) + "\n")
-  cfg = {"sources": [{"kind": "jsonl", "path": str(path), "verifier": "math"}], "max_line_bytes": 65536, "shuffle": False,
-         "num_epochs": 1}
+  cfg = {"sources": [{"kind": "jsonl", "path": str(path), "verifier": "math"}], "max_line_bytes": 65536,
+         "shuffle": False, "num_epochs": 1}
   _examples(build_dataset(cfg))  # imports and caches outside the measurement
   tracemalloc.start()
   try:
@@ -321,9 +322,10 @@ def test_utf16_jsonl_is_refused_naming_the_encoding(tmp_path, encoding):
   path = tmp_path / "wide.jsonl"
   path.write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode(encoding))
   with pytest.raises(DataError, match=r"wide.jsonl' is UTF-(16|32)-[LB]E.*must be UTF-8.*iconv"):
-    build_dataset({"sources": [{"kind": "jsonl", "path": str(path), "verifier": "math"}], "shuffle": False, "num_epochs": 1})
+    build_dataset({"sources": [{"kind": "jsonl", "path": str(path), "verifier": "math"}], "shuffle": False,
+                   "num_epochs": 1})
   # UTF-8 with a byte-order mark is read, every row.
   path.write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode("utf-8-sig"))
-  got = _examples(build_dataset({"sources": [{"kind": "jsonl", "path": str(path), "verifier": "math"}], "shuffle": False,
-                                 "num_epochs": 1}))
+  source = {"kind": "jsonl", "path": str(path), "verifier": "math"}
+  got = _examples(build_dataset({"sources": [source], "shuffle": False, "num_epochs": 1}))
   assert [e["prompt"] for e in got] == ["q0", "q1", "q2"]

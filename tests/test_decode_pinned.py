@@ -79,6 +79,7 @@ def test_multi_turn_trajectory_is_pinned():
   import torch
   import transformers
   from tools_testlib import scripted_tool_rollout
+
   from rljax.tokenizer import load_tokenizer
   from rljax.tools import ToolRunner
   tok = load_tokenizer("smollm2-135m-instruct")

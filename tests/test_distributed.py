@@ -65,6 +65,7 @@ def _results(out_dir):
   with open(os.path.join(out_dir, "metrics.jsonl")) as f:
     metrics = [json.loads(line) for line in f if "loss" in line]
   import jax
+
   from rljax.trainer.checkpoint import Checkpointer
   params = Checkpointer(os.path.join(out_dir, "checkpoints"), read_only=True).restore_params()
   flat = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]

@@ -5,9 +5,9 @@ import re
 
 import numpy as np
 import pytest
+from test_trainer import Trainer, read_metrics, smoke
 
 from rljax.trainer.evaluate import eval_main, summarize
-from test_trainer import read_metrics, smoke, Trainer
 
 
 def test_rljax_eval_writes_consistent_metrics_and_per_example_results(tmp_path, capsys):

@@ -321,6 +321,7 @@ def test_multi_turn_tool_rollout_on_gemma():
   """The tool engine on a Gemma model: feeding tool responses into the cache equals re-prefilling
   the history, and the sampler's log-probs equal the learner's (sliding windows across turns)."""
   from tools_testlib import scripted_tool_rollout
+
   from rljax.tools import ToolRunner
   policy = _random_policy("gemma2")
   tok = policy.tokenizer
@@ -362,8 +363,9 @@ def test_sentencepiece_tokenizer_with_gemma_chat_template(tmp_path):
   """A tokenizer.model + tokenizer_config.json directory laid out like Gemma's: BOS from the
   template, turn markers as single ids, <end_of_turn> a stop token, plain text as sentencepiece."""
   spm = pytest.importorskip("sentencepiece")
-  from rljax.tokenizer import load_tokenizer
   from test_tokenizer_sentencepiece import _training_lines
+
+  from rljax.tokenizer import load_tokenizer
   # Like Gemma's: BPE, byte fallback, no normalization or dummy prefix, digits split.
   spm.SentencePieceTrainer.train(
       sentence_iterator=iter(_training_lines()), model_prefix=str(tmp_path / "tokenizer"), vocab_size=400,

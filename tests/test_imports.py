@@ -1,9 +1,18 @@
 """No import circles in the package: read from the source (every `import` / `from ... import`, at module
-level or inside a function), so a lazy import cannot hide one."""
+level or inside a function), so a lazy import cannot hide one. The one kind allowed is a lazy
+registry (ALLOWED), a circle closed only by a function-local import, with the reason."""
 import ast
 import os
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+# Circles allowed, each closed by a function-local import: {modules: why}.
+ALLOWED = {
+    # ModelConfig asks the family registry (random defaults, LoRA targets, parameter counts); the
+    # families build ModelConfigs. models/config.py imports the registry inside `_families()`.
+    frozenset({"rljax.models.config", "rljax.models.families", "rljax.models.families.base",
+               "rljax.models.layers"}): "the model-family registry",
+}
 
 
 def _modules() -> dict[str, str]:
@@ -18,9 +27,10 @@ def _modules() -> dict[str, str]:
   return out
 
 
-def import_graph() -> dict[str, set[str]]:
-  """module -> the rljax modules it imports anywhere in its source. `from pkg import sub` counts as
-  importing `pkg.sub` (and `pkg` only when a name that is not a submodule is imported from it)."""
+def import_graph(module_level_only: bool = False) -> dict[str, set[str]]:
+  """module -> the rljax modules it imports anywhere in its source (or at module level only). `from
+  pkg import sub` counts as importing `pkg.sub` (and `pkg` only when a name that is not a
+  submodule is imported from it)."""
   mods = _modules()
 
   def owner(name: str) -> str:
@@ -31,7 +41,10 @@ def import_graph() -> dict[str, set[str]]:
   graph = {}
   for name, path in mods.items():
     deps = set()
-    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    nodes = [n for top in tree.body if not isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+             for n in ast.walk(top)] if module_level_only else ast.walk(tree)
+    for node in nodes:
       if isinstance(node, ast.Import):
         deps.update(owner(a.name) for a in node.names if a.name.startswith("rljax"))
       elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("rljax"):
@@ -78,7 +91,9 @@ def test_the_package_has_no_import_circles():
   graph = import_graph()
   assert {"rljax.config.schema", "rljax.trainer.setup", "rljax.plan.programs"} <= set(graph)
   assert "rljax.trainer.setup" in graph["rljax.plan.programs"]   # the graph sees real edges
-  assert cycles(graph) == []
+  assert [c for c in cycles(graph) if frozenset(c) not in ALLOWED] == []
+  # The allowed ones are lazy: no circle among the imports that run when a module loads.
+  assert cycles(import_graph(module_level_only=True)) == []
 
 
 def test_a_circle_is_found():

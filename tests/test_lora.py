@@ -65,9 +65,9 @@ def test_merged_kernels_equal_the_adapted_model():
 def test_sampler_equals_learner_logprobs_with_adapters_fp32():
   """The sampler's cached decode and the learner's teacher-forced forward run the same adapted
   model: their log-probs agree to float32 rounding (1e-5)."""
+  from rljax.rl import LossConfig
   from rljax.rollout import SamplingParams, sample
   from rljax.trainer.step import StepSpec, sequence_logprobs
-  from rljax.rl import LossConfig
   c = tiny()
   base, adapters = random_adapters(c, scale=0.2)
   params = lora.join(base, adapters)
@@ -214,6 +214,7 @@ def test_lora_run_exports_merged_and_peft_and_rljax_export_agrees(tmp_path):
   import transformers
   from peft import PeftModel
   from safetensors.numpy import load_file
+
   from rljax.models.io import save_pretrained
   from rljax.models.policy import Policy
   from rljax.trainer.export import export_checkpoint

@@ -20,8 +20,14 @@ from models_testlib import hf_config, hf_logits, max_diff_on_tokens, ragged_batc
 from rljax.errors import ConfigError, WeightsError
 from rljax.models import LoraConfig, ModelConfig, Policy, init_params, lora
 from rljax.models.io import save_pretrained
-from rljax.models.lora_io import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, hf_to_lora, load_peft_adapter,
-                                  lora_to_hf, save_peft_adapter)
+from rljax.models.lora_io import (
+  ADAPTER_CONFIG_FILE,
+  ADAPTER_WEIGHTS_FILE,
+  hf_to_lora,
+  load_peft_adapter,
+  lora_to_hf,
+  save_peft_adapter,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -80,3 +80,24 @@ def test_resumed_writer_writes_each_step_once(tmp_path):
   w.write(0, {"eval/accuracy": 0.5})
   w.close()
   assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == [{"step": 0, "eval/accuracy": 0.5}]
+
+
+def test_wandb_offline_run_continues_on_resume(tmp_path, monkeypatch):
+  """config.output.wandb (issue 39 item 12): rows also go to a W&B run (offline here), and a resumed
+  run logs to the same W&B run id. Skipped where the optional wandb package is absent."""
+  import pytest
+  pytest.importorskip("wandb")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  settings = {"project": "rljax-test", "name": "", "entity": "", "mode": "offline"}
+  w = MetricsWriter(str(tmp_path), tensorboard=False, start_step=0, wandb=settings, config={"train": {"steps": 3}})
+  for step in (1, 2):
+    w.write(step, {"loss": 0.125 * step, "eval/pass@8": 0.25})
+  w.close()
+  run_id = (tmp_path / "wandb_run_id").read_text().strip()
+  w = MetricsWriter(str(tmp_path), tensorboard=False, start_step=2, wandb=settings, config={"train": {"steps": 3}})
+  w.write(3, {"loss": 0.375})
+  w.close()
+  runs = sorted(glob.glob(f"{tmp_path}/wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+  assert len(runs) == 2                                  # two attempts, one W&B run id
+  first, second = (open(p, "rb").read() for p in runs)
+  assert b"eval/pass@8" in first and b"0.25" in first and b"0.375" in second

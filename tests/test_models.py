@@ -7,11 +7,11 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from models_testlib import hf_logits, hf_model, max_diff_on_tokens, ragged_batch
 
 import rljax
 from rljax.errors import WeightsError
 from rljax.models import io as model_io
-from models_testlib import hf_logits, hf_model, max_diff_on_tokens, ragged_batch
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 TOL = 1e-4

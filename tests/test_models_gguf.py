@@ -6,13 +6,20 @@ import os
 
 import numpy as np
 import pytest
+from models_testlib import (
+  hf_logits,
+  hf_model,
+  max_diff_on_tokens,
+  ragged_batch,
+  round_weights_like,
+  truncate,
+  write_gguf,
+)
 
 import rljax
 from rljax.errors import WeightsError
 from rljax.models import builtin, gguf_io
 from rljax.models.config import RopeScaling
-from models_testlib import (hf_logits, hf_model, max_diff_on_tokens, ragged_batch, round_weights_like,
-                             truncate, write_gguf)
 
 SMOLLM2 = "smollm2-135m-instruct"
 

@@ -8,16 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from tools_testlib import ScriptedDraw, scripted_tool_rollout
 
 from rljax.config import base_config
+from rljax.rl import LossConfig
 from rljax.rollout import SamplingParams, sample
-from rljax.rollout.tools import ToolProducer, ToolRollout, TurnParams, marker_variants, response_template
+from rljax.rollout.tools import ToolProducer, ToolRollout, marker_variants, response_template
 from rljax.tools import ToolRunner
 from rljax.trainer.loop import load_policy
 from rljax.trainer.step import StepSpec, sequence_logprobs
-from rljax.rl import LossConfig
 
 PARITY_TOL = 1e-5     # fp32: sampler log-probs vs the learner's teacher-forced forward
 
@@ -242,6 +241,7 @@ def test_update_trains_on_model_tokens_and_recomputes_sampler_logprobs(policy, r
   through context_mask) equals the sampler's on every model token; without the context the
   same tokens get other log-probs, and tool tokens carry no loss weight."""
   import optax
+
   from rljax.trainer.state import TrainState
   from rljax.trainer.step import make_update_fn
   tok = policy.tokenizer
@@ -281,6 +281,7 @@ def test_trainer_runs_multi_turn_steps(tmp_path):
   sees their calls, and the update trains on the trajectories. The runner's step reports the
   trajectories it trained on (StepOutput.info)."""
   from models_testlib import tiny_retool_config
+
   from rljax.trainer.loop import Trainer
   c = tiny_retool_config(tmp_path)
   c.rewards.components = [dict(name="correct", verifier="arithmetic", weight=1.0),

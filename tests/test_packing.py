@@ -8,8 +8,7 @@ import pytest
 from rljax.models.config import ModelConfig
 from rljax.models.policy import init_params
 from rljax.rl import LossConfig
-from rljax.rollout import Rollout
-from rljax.rollout import SamplingParams
+from rljax.rollout import Rollout, SamplingParams
 from rljax.trainer import packing
 from rljax.trainer.optim import make_optimizer
 from rljax.trainer.state import TrainState

@@ -119,6 +119,7 @@ def test_scored_per_shard_once_per_process(pool, shape):
   """With a mesh the callback runs per device on its rows; replicas over the other mesh axes are
   scored once, rewards come back sharded like the rows, equal to scoring the batch directly."""
   from jax.sharding import NamedSharding
+
   from rljax.rewards.callback import local_indices
   mesh = _mesh(shape)
   examples, _, tokens, lengths = _batch()
@@ -148,6 +149,34 @@ def test_scored_per_shard_once_per_process(pool, shape):
   m = reward_fn.global_metrics()
   assert m["verifier/items"] == 16 and m["verifier/scoring_processes"] == 1
   assert m["reward/mean"] == pytest.approx(float(np.mean(want.rewards)))
+
+
+def test_metrics_cover_every_round_of_a_step(pool, caplog):
+  """Devices that reach the callback more than gather_timeout_s apart are scored in several rounds
+  (here every device alone: gather_timeout_s=0); the step's metrics, rows and batch cover all of
+  them, equal to scoring the batch at once."""
+  from jax.sharding import NamedSharding
+  mesh = _mesh((8, 1, 1))
+  examples, _, tokens, lengths = _batch()
+  want = _expected(pool, tokens, lengths, examples, 2)
+  reward_fn = make_reward_fn(pool, decode, group_size=2, mesh=mesh, gather_timeout_s=0.0)
+  rows = NamedSharding(mesh, P(("data", "fsdp"), None))
+  step = jax.jit(lambda t, n: reward_fn(t, n))
+  for s in range(2):   # a second step starts afresh at set_batch
+    reward_fn.set_batch(examples, step=s)
+    r, _ = step(jax.device_put(tokens, rows), jax.device_put(lengths, NamedSharding(mesh, P(("data", "fsdp")))))
+    jax.block_until_ready(r)
+    assert reward_fn.last_rounds() > 1
+    np.testing.assert_allclose(np.asarray(r), want.rewards)
+    assert reward_fn.last_rows().tolist() == list(range(16))
+    np.testing.assert_allclose(reward_fn.last_batch().rewards, want.rewards)
+    np.testing.assert_allclose(reward_fn.last_batch().components_matrix(), want.components_matrix())
+    m = reward_fn.global_metrics()
+    assert m["verifier/items"] == 16 and m["verifier/scoring_processes"] == 1
+    for key in ("reward/mean", "reward/std", "reward/min", "reward/max", "reward/accuracy", "reward/correct_mean",
+                "reward/overlong_mean"):
+      assert m[key] == pytest.approx(want.metrics[key], abs=1e-12), key
+  assert "scoring those rows now" in caplog.text
 
 
 def test_examples_are_found_by_global_index(pool):

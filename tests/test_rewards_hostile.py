@@ -6,8 +6,9 @@ exact, nothing they started keeps running and the pool works afterwards.
 The cases run on one pool in-process (as root in CI); those whose containment depends on the
 user (PRIVILEGE_CASES) again on one pool as an unprivileged uid in a subprocess
 (`test_hostile_verifiers_as_unprivileged_user`), and some that do not need PID namespaces on one
-pool of the fallback containment (`test_fallback_containment`): `run_cases` is shared. Every case limits itself: a 2 s item timeout, 640 MB of address space per worker, a
-30 s batch deadline, at most ~200 MB of memory held, and a SIGALRM guard around each case.
+pool of the fallback containment (`test_fallback_containment`): `run_cases` is shared. Every case
+limits itself: a 2 s item timeout, 640 MB of address space per worker, a 30 s batch deadline, at
+most ~200 MB of memory held, and a SIGALRM guard around each case.
 """
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from rljax.rewards import RewardPool, RewardResult, RewardSpec, sandbox
-from rljax.rewards import pool as pool_module
+from rljax.rewards import RewardPool, RewardResult, RewardSpec, pool as pool_module, sandbox
 
 # ---- adversarial verifiers (module level: workers import them by reference) -----------------
 

@@ -3,8 +3,15 @@ import numpy as np
 import pytest
 
 from rljax.errors import ConfigError
-from rljax.rewards import (RewardPool, RewardResult, RewardSpec, get_verifier, normalize_result, register_verifier,
-                           weight_at)
+from rljax.rewards import (
+  RewardPool,
+  RewardResult,
+  RewardSpec,
+  get_verifier,
+  normalize_result,
+  register_verifier,
+  weight_at,
+)
 from rljax.rewards.compose import combine
 
 

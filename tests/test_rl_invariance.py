@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rljax.rl import (LossConfig, chunked_logprobs, combine_metrics, compute_advantages,
-                      make_denominators, policy_loss)
+from rljax.rl import LossConfig, chunked_logprobs, combine_metrics, compute_advantages, make_denominators, policy_loss
 
 P, G, T = 4, 2, 8
 B = P * G

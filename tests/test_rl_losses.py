@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from rljax.errors import ConfigError
-from rljax.rl import (LossConfig, combine_metrics, compute_advantages, kl_penalty,
-                      make_denominators, policy_loss)
+from rljax.rl import LossConfig, combine_metrics, compute_advantages, kl_penalty, make_denominators, policy_loss
 
 P, G, T = 2, 4, 8
 LENGTHS = [8, 3, 5, 1, 6, 2, 7, 4]

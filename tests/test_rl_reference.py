@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rljax.rl import (PRESETS, LossConfig, compute_advantages, kl_penalty, make_denominators,
-                      policy_loss)
+from rljax.rl import PRESETS, LossConfig, compute_advantages, kl_penalty, make_denominators, policy_loss
 
 P, G, T = 4, 2, 8  # the shapes of test_rl_losses, so eager-mode kernels are shared
 

@@ -1,5 +1,6 @@
 """The pipelined and async rollout modes (rljax/trainer/rollouts.py) against the fused step."""
 import os
+import signal
 import textwrap
 
 import jax
@@ -15,7 +16,8 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "rljax", "configs")
 
 def smoke(tmp_path, *overrides):
   cfg = load_config_file(os.path.join(CONFIGS, "smoke.py"))
-  apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "checkpoint.resume=False", "train.steps=3", *overrides])
+  apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "checkpoint.resume=False", "train.steps=3",
+                        *overrides])
   return cfg
 
 
@@ -61,6 +63,21 @@ def test_staleness_zero_reproduces_the_fused_mode(tmp_path, fused, mode):
     assert len(trainer.mesh.devices.flat) == 4 and len(trainer.generator_mesh.devices.flat) == 4
 
 
+def test_decode_slots_reproduce_the_fused_mode(tmp_path, fused):
+  """sampling.slots = rows / 4 (continuous batching, rljax/rollout/slots.py) in the async mode (the
+  sampler producer on 4 generator devices: 4 blocks of 4 slots): the same rollouts and updates as
+  the fused mode with one slot per row, with 4x the decode steps (every row of the smoke model
+  runs to the budget, so each slot decodes 4 rows in turn, fully used)."""
+  want = fused[0][:2]
+  got, _, _ = run_steps(smoke(tmp_path, "sampling.slots=16", "train.steps=2", "rollout.mode='async'",
+                              "rollout.max_staleness=0"), 2)
+  for a, b in zip(got, want):
+    assert a["sampler/tokens"] == b["sampler/tokens"] and a["reward/mean"] == b["reward/mean"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    assert a["sampler/decode_steps"] == 4 * b["sampler/decode_steps"] == 4 * 7
+    assert a["sampler/slot_utilisation"] == b["sampler/slot_utilisation"] == 1.0
+
+
 @pytest.mark.parametrize("mode", ["pipelined", "async"])
 def test_one_step_off_policy_is_corrected(tmp_path, fused, mode):
   """Staleness 1: lp_old is recomputed (the proximal policy) and the TIS weight corrects the sampler's."""
@@ -104,13 +121,6 @@ def verifier_module(tmp_path, monkeypatch):
         time.sleep(delay_s)
         return vowel_fraction(completion, example)
 
-      def kills_its_pool_once(completion, example, marker=""):
-        # The first call SIGKILLs the pool's zygote (this worker's parent); the worker dies with it.
-        if marker and not os.path.exists(marker):
-          open(marker, "w").close()
-          os.kill(os.getppid(), signal.SIGKILL)
-          time.sleep(5)
-        return vowel_fraction(completion, example)
   """))
   monkeypatch.setenv("PYTHONPATH", str(mod) + os.pathsep + os.environ.get("PYTHONPATH", ""))
   monkeypatch.syspath_prepend(str(mod))
@@ -145,27 +155,41 @@ def test_async_staleness_bound_holds_under_a_slow_verifier(tmp_path, verifier_mo
   assert trainer.runner.counts["batches_dropped"] == 0
 
 
-def test_async_pool_crash_loses_no_batches(tmp_path, verifier_module):
-  """The verifier pool's zygote is killed mid-batch, and later the whole pool dies: every batch is trained."""
+def test_async_pool_crash_loses_no_batches(tmp_path):
+  """The verifier pool's zygote is SIGKILLed (from outside: a verifier cannot reach it, workers run in
+  their own PID namespace), and later the whole pool dies: every batch is trained."""
   steps = 4
   cfg = smoke(tmp_path, "rollout.mode='async'", f"train.steps={steps}", "rewards.timeout_s=10.0")
-  cfg.rewards.components = [dict(name="vowels", verifier=f"{verifier_module}:kills_its_pool_once", weight=1.0,
-                                 kwargs=dict(marker=str(tmp_path / "killed")))]
   trainer = Trainer(cfg)
   try:
+    os.kill(trainer.scorer.pool._zygote.pid, signal.SIGKILL)   # before the first batch is scored
     got = [trainer.run_step() for _ in range(2)]
+    replaced = trainer.scorer.pool.totals["zygote_restarts"]
     trainer.scorer.pool.close()   # the pool is gone: the scorer must restart it and rescore, not drop the batch
     got += [trainer.run_step() for _ in range(steps - 2)]
   finally:
     trainer.close()
-  assert os.path.exists(tmp_path / "killed")
-  # The zygote kill was seen: its workers were restarted. The item that killed it kills only once,
-  # so its lone re-run scores and nothing is convicted as a crash (rljax/rewards/pool.py).
-  assert sum(m.get("verifier/restarts", 0) for m in got) >= 1
+  assert replaced >= 1                                                       # the dead zygote was replaced
   assert max(m["rollout/score_attempts"] for m in got) >= 2                 # rescored on a fresh pool
   assert all(np.isfinite(m["loss"]) for m in got) and len(got) == steps
   assert trainer.runner.counts == {"batches_generated": steps, "batches_trained": steps, "batches_dropped": 0}
   assert int(trainer.state.step) == steps
+
+
+def test_mode_registry_declares_every_runner():
+  """Each mode of the registry names a runner class that declares that mode; what the loop and the
+  validation read (staleness bounds, exact phases, multi-process, tools) is declared there."""
+  from rljax.trainer import modes
+  assert set(modes.MODES) == {"fused", "pipelined", "async", "partial"}
+  for name, mode in modes.MODES.items():
+    assert mode.runner_class().mode is mode and mode.name == name
+  fused, pipelined, partial = modes.get("fused"), modes.get("pipelined"), modes.get("partial")
+  assert fused.exact_phases and fused.multi_process and fused.staleness(-1) == 0
+  assert pipelined.tools and pipelined.max_staleness == 1 and pipelined.staleness(-1) == 1
+  assert partial.staleness(3) == 3 and partial.own_fields == ("oversample",)
+  assert [m.name for m in modes.MODES.values() if m.splits_devices] == ["async"]
+  with pytest.raises(ConfigError, match="rollout.mode='offline' is not one of"):
+    modes.get("offline")
 
 
 @pytest.mark.parametrize("overrides, match", [

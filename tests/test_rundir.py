@@ -63,12 +63,80 @@ def test_changed_config_lists_the_fields_and_the_ways_out(tmp_path):
   assert "--config.output.dir=" in msg and "--overwrite" in msg and "checkpoint.resume=False" in msg
 
 
-def test_finished_run_says_how_to_extend_it(tmp_path):
+def test_finished_run_says_how_to_extend_it_and_an_unfinished_end_is_completed(tmp_path):
   cfg = smoke(tmp_path / "run")                      # train.steps=20, the latest checkpoint is step 20
   fake_run(tmp_path / "run", cfg)
+  # Stopped after its last checkpoint (no summary.json): a new start completes the end of the run.
+  run = rundir.check_resume(cfg)
+  assert run.resuming and run.finishing and run.latest_step == 20
+  rundir.write_summary(str(tmp_path / "run"), 10, {"output_dir": "x"})   # an earlier, shorter attempt's
+  assert rundir.check_resume(cfg).finishing
+  rundir.write_summary(str(tmp_path / "run"), 20, {"output_dir": "x"})
   with pytest.raises(RunFinished, match=r"finished.*step 20.*train\.steps=20.*--config\.train\.steps=40"):
     rundir.check_resume(cfg)
   assert rundir.check_resume(cfg, allow_finished=True).resuming
+  assert rundir.check_resume(smoke(tmp_path / "run", "train.steps=40")).finishing is False
+
+
+def test_start_over_sets_outputs_aside_and_puts_them_back(tmp_path):
+  """Item 1 of issue 39: nothing of an earlier run is deleted before the new start is built."""
+  out = tmp_path / "run"
+  fake_run(out, smoke(out))
+  (out / "metrics.jsonl").write_text("x\n")
+  (out / "notes.txt").write_text("mine\n")
+  before = sorted(os.listdir(out))
+  replaced = rundir.StartOver(str(out))
+  assert sorted(replaced.set_aside()) == ["checkpoints", "config.json", "metrics.jsonl"]
+  assert sorted(os.listdir(out)) == [rundir.REPLACED_DIR, "notes.txt"]
+  (out / "checkpoints").mkdir()                      # what a failed build may leave: an empty directory
+  replaced.restore()
+  assert sorted(os.listdir(out)) == before and rundir.checkpoint_steps(str(out)) == [10, 20]
+  # Killed between setting aside and building: the next start puts them back.
+  rundir.StartOver(str(out)).set_aside()
+  assert rundir.recover_replaced(str(out)) == ["checkpoints", "config.json", "metrics.jsonl"]
+  assert sorted(os.listdir(out)) == before and rundir.recover_replaced(str(out)) == []
+  replaced = rundir.StartOver(str(out))
+  replaced.set_aside()
+  replaced.commit()
+  assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_metrics_helpers_for_a_completed_end(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 0, "eval/accuracy": 0.5, "eval/accuracy_stderr": 0.1}\n{"step": 2, "loss": 1.0}\n'
+                  '{"step": 2, "eval/accuracy": 0.7}\n')
+  assert rundir.logged_eval(str(path), 0) == {"accuracy": 0.5, "accuracy_stderr": 0.1}
+  assert rundir.drop_eval_rows(str(path), 2) == 1
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2]
+
+
+def test_run_lock_names_the_holder_and_outlives_no_process(tmp_path):
+  """Item 3: one owner per run directory. A second process is refused with the holder's pid; the
+  lock of a process that died (however) is free again; the holder itself may re-enter."""
+  import subprocess
+  import sys
+
+  from rljax.trainer.runlock import RunDirInUse, RunLock, holder
+  out = str(tmp_path / "run")
+  hold = ("import sys, time; from rljax.trainer.runlock import RunLock\n"
+          "with RunLock(sys.argv[1]):\n  print('held', flush=True); time.sleep(60)\n")
+  proc = subprocess.Popen([sys.executable, "-c", hold, out], stdout=subprocess.PIPE, text=True)
+  try:
+    assert proc.stdout.readline().strip() == "held"
+    assert holder(out)["pid"] == proc.pid
+    message = rf"in use by another run: process {proc.pid} on host .*kill -TERM {proc.pid}"
+    with pytest.raises(RunDirInUse, match=message):
+      with RunLock(out):
+        pass
+  finally:
+    proc.kill()
+    proc.wait()
+  assert holder(out) is None                         # the lock died with its process (its file stays: stale)
+  with RunLock(out):
+    with RunLock(out):                               # re-entrant in one process
+      assert holder(out)["pid"] == os.getpid()
+    assert os.path.exists(os.path.join(out, ".rljax.lock"))
+  assert not os.path.exists(os.path.join(out, ".rljax.lock"))
 
 
 def test_starting_over_needs_consent_and_deletes_only_run_outputs(tmp_path):

@@ -14,8 +14,7 @@ from rljax.models.convert import hf_to_params
 from rljax.models.policy import Policy, apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
 from rljax.rl.logprobs import chunked_logprobs
-from rljax.rollout import SampleOutput, SamplingParams, generate, sample, sample_logits
-from rljax.rollout import draw, sampler
+from rljax.rollout import SampleOutput, SamplingParams, draw, generate, sample, sample_logits, sampler
 
 VOCAB = 96
 LENGTHS = (7, 3, 5, 1)  # ragged prompts, left-padded to width 7

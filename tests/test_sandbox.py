@@ -19,11 +19,10 @@ import tempfile
 import time
 
 import pytest
+from test_rewards_hostile import CASES as HOSTILE_CASES, NOBODY, nobody_dir, unprivileged_env, unprivileged_python
 
 from rljax.errors import ConfigError
 from rljax.rewards import RewardPool, RewardSpec, sandbox
-from test_rewards_hostile import CASES as HOSTILE_CASES
-from test_rewards_hostile import NOBODY, nobody_dir, unprivileged_env, unprivileged_python
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMITS = sandbox.SandboxLimits(timeout_s=3.0)

@@ -7,10 +7,10 @@ import re
 
 import numpy as np
 import pytest
+from test_tokenizer_corpus import corpus
 
 from rljax.errors import TokenizerError
 from rljax.tokenizer import Tokenizer, load_tokenizer
-from test_tokenizer_corpus import corpus
 
 transformers = pytest.importorskip("transformers")
 pre_tokenizers = pytest.importorskip("tokenizers.pre_tokenizers")

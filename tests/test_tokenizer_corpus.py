@@ -8,7 +8,8 @@ HANDWRITTEN = [
     "한국어 텍스트", "Привет, мир", "مرحبا بالعالم", "emoji 😀🎉👍🏽 👨‍👩‍👧‍👦", "🤖🤖🤖", "math: ∑_{i=1}^n x_i² ≤ ∞",
     "code: def f(x):\n    return x**2\n", "don't won't I'm you're they've", "   \t\n  mixed\t \n",
     "URL https://example.com/path?q=1&r=2#frag", "email a.b@c.de", "\u00a0nbsp\u00a0", "zero\u200bwidth",
-    "ﬁ ligature ＡＢＣ full width １２３", "combining e\u0301 vs é", "$$\\frac{a}{b}$$", "JSON {\"k\": [1, 2, {\"x\": null}]}",
+    "ﬁ ligature ＡＢＣ full width １２３", "combining e\u0301 vs é", "$$\\frac{a}{b}$$",
+    "JSON {\"k\": [1, 2, {\"x\": null}]}",
     "....!!!???", "'''\"\"\"```", "The answer is \\boxed{42}.", "x" * 200, " ".join(["word"] * 50), "\n" * 10, " " * 17,
     "\t" * 5 + "x",
 ]

@@ -6,15 +6,16 @@ import json
 import random
 
 import pytest
+from test_tokenizer_corpus import corpus
 
 from rljax.errors import TokenizerError
 from rljax.tokenizer import load_tokenizer
-from test_tokenizer_corpus import corpus
 
 spm = pytest.importorskip("sentencepiece")
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "tokenizer", "numbers",
-         "日本語", "テキスト", "中文", "测试", "😀", "ünïcödé", "café", "naïve", "Привет", "мир", "x", "=", "+", "(", ")"]
+         "日本語", "テキスト", "中文", "测试", "😀", "ünïcödé", "café", "naïve", "Привет", "мир",
+         "x", "=", "+", "(", ")"]
 CHAT_TEMPLATE = "{% for m in messages %}{{ bos_token }}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}"
 
 

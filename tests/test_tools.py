@@ -9,8 +9,19 @@ import time
 import pytest
 
 from rljax.errors import ConfigError
-from rljax.tools import (FORMATS, Observation, Tool, ToolCall, ToolRunner, end_markers, get_tool, list_tools,
-                         parse_tool_call, register_tool, validate_arguments)
+from rljax.tools import (
+  FORMATS,
+  Observation,
+  Tool,
+  ToolCall,
+  ToolRunner,
+  end_markers,
+  get_tool,
+  list_tools,
+  parse_tool_call,
+  register_tool,
+  validate_arguments,
+)
 from rljax.tools.builtin import BM25Index, calculator, load_corpus, make_search, python
 
 # ---- test tools (module level: workers import them as "test_tools:<name>") ---------------------

@@ -86,7 +86,7 @@ def test_non_finite_gradients_are_skipped_then_the_run_stops(tmp_path):
 
 def test_dataset_that_runs_out_saves_and_stops(tmp_path):
   cfg = smoke(tmp_path, "train.steps=5", "data.num_epochs=1")
-  cfg.data.sources = [dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=1, seed=0,
+  cfg.data.sources = [dict(kind="arithmetic", weight=1.0, verifier="none", difficulty=1, seed=0,
                            num_examples=20)]
   trainer = Trainer(cfg)
   with pytest.raises(DataExhausted, match="num_epochs"):
@@ -176,7 +176,8 @@ def test_recipe_one_step_dry_run_on_a_tiny_model(tmp_path, name):
   apply_overrides(cfg, [
       "model.path='random'", "tokenizer='smollm2-135m-instruct'", "model.dtype='float32'",
       "model.random.hidden_size=32", "model.random.intermediate_size=64", "model.random.head_dim=8",
-      "sampling.max_new_tokens=8", "data.max_prompt_tokens=192", "train.steps=1", "optim.warmup_steps=0", "train.prompts_per_step=4",
+      "sampling.max_new_tokens=8", "data.max_prompt_tokens=192", "train.steps=1", "optim.warmup_steps=0",
+      "train.prompts_per_step=4",
       f"output.dir={str(tmp_path / 'run')!r}", "output.export_hf=False", "eval.every=0",
       "eval.before_and_after=False", "checkpoint.every=0", "output.progress=False"])
   if cfg.train.mini_batches > 4:

@@ -115,7 +115,8 @@ SCHEMA = Section(
         "the data pipeline's fields: see docs/data.md", type_safe=False,
         sources=Field([dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=1)],
                       "the prompt sources, each a dict: kind (" + " | ".join(SOURCE_KINDS) + "), path, weight, "
-                      "verifier, ... (docs/data.md)"),
+                      "verifier (what a 'by_source' reward component scores its rows with; 'none': none), ... "
+                      "(docs/data.md)"),
         system_prompt=Field("", "system message put before every prompt (\"\" = none)"),
         prompt_template=Field("{prompt}", "the user message; {prompt} is the example's prompt"),
         max_prompt_tokens=Field(128, "prompts longer than this (in tokens, after the chat template) are filtered out"),
@@ -137,6 +138,10 @@ SCHEMA = Section(
         min_p=Field(0.0, "drop tokens less likely than min_p times the most likely one (0 = off)"),
         ignore_eos=Field(False, "generate max_new_tokens in every row (benchmarks; vLLM's ignore_eos)"),
         stop_token_ids=Field([], "extra ids that end a completion, besides the tokenizer's stop tokens"),
+        slots=Field(0, "decode slots (continuous batching): 0 = one per row (prompts x num_samples); fewer: rows "
+                       "decode that many at a time, a finished row's slot taking the next one. Same samples; "
+                       "per-step compute and completion KV cache scale with slots. Lower it when lengths have a "
+                       "long tail (docs/sampling.md)"),
     ),
     rl=Section(
         "the loss: a preset plus every LossConfig field; None keeps the preset's value (docs/loss.md)",
@@ -146,8 +151,10 @@ SCHEMA = Section(
     ),
     rewards=Section(
         "the reward components and the pool that scores them (docs/rewards.md)", type_safe=False,
-        components=Field([dict(name="correct", verifier="arithmetic", weight=1.0)],
-                         "weighted reward components, each a dict: name, verifier, weight, ... (docs/rewards.md)"),
+        components=Field([dict(name="correct", verifier="by_source", weight=1.0)],
+                         "weighted reward components, each a dict: name, verifier ('by_source': the verifier its "
+                         "data source names) or model (a reward model dir) or judge (a causal LM dir, with "
+                         "template), weight, sources, ... (docs/rewards.md)"),
         timeout_s=Field(5.0, "seconds one verifier call may take; then it scores `fallback`"),
         batch_deadline_s=Field(120.0, "seconds a whole batch may take to score"),
         fallback=Field(0.0, "the reward of a verifier call that timed out or failed"),
@@ -183,6 +190,8 @@ SCHEMA = Section(
         dynamic_sampling=Field(False, "DAPO: drop zero-variance groups, refill from oversampled prompts"),
         oversample=Field(None, "with dynamic_sampling: prompts sampled = prompts_per_step * oversample (default 2); "
                          "refused without it", placeholder=int),
+        stop_signals=Field(["SIGINT", "SIGTERM"], "signals that stop the run after the step in progress, with a "
+                           "checkpoint (a second one exits at once); [] = die at once, the default behaviour"),
     ),
     rollout=Section(
         "How generation, scoring and updates are scheduled (docs/rollouts.md).",
@@ -236,6 +245,8 @@ SCHEMA = Section(
         max_new_tokens=Field(0, "completion length limit (0 = sampling.max_new_tokens)"),
         before_and_after=Field(True, "evaluate before the first step and after the last"),
         allow_training_data=Field(False, "evaluate even where the test split reads the training file (on purpose)"),
+        batch_size=Field(0, "completions decoded at once (0 = a training step's rows, at least 128); greedy results "
+                         "do not depend on it"),
     ),
     output=Section(
         "what the run writes into output.dir",
@@ -244,6 +255,13 @@ SCHEMA = Section(
         export_dtype=Field("bfloat16", "dtype of the exported weights"),
         tensorboard=Field(True, "write TensorBoard event files (<dir>/tb)"),
         progress=Field(True, "show progress bars"),
+        wandb=Section(
+            "Weights & Biases logging beside metrics.jsonl and TensorBoard (optional: pip install wandb)",
+            project=Field("", 'the W&B project to log to ("" = off)'),
+            name=Field("", 'the run\'s name in W&B ("" = the output.dir name)'),
+            entity=Field("", 'the W&B team or user ("" = your default)'),
+            mode=Field("online", "online | offline (logs under <dir>/wandb; `wandb sync` uploads them later)"),
+        ),
     ),
 )
 

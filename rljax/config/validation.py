@@ -18,6 +18,7 @@ from rljax.config.schema import base_config
 from rljax.data.config import eval_reads_training_data
 from rljax.errors import ConfigError
 from rljax.models.config import ATTENTION_IMPLS
+from rljax.rewards.routing import source_verifiers_from_data
 from rljax.rewards.spec import RewardSpec
 from rljax.tools.parsing import FORMATS as TOOL_FORMATS
 from rljax.trainer import modes
@@ -27,6 +28,7 @@ ROLLOUT_MODES = tuple(modes.MODES)
 PROXIMAL = ("recompute", "sampler")   # the off-policy modes' lp_old (docs/rollouts.md)
 # The compute dtypes a run trains in (ModelConfig also takes float16, for inference).
 MODEL_DTYPES = ("float32", "bfloat16")
+WANDB_MODES = ("online", "offline")
 
 
 def _positive(c, path: str, value, allow_zero=False):
@@ -59,6 +61,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.sampling.temperature={s.temperature} must be >= 0 (0 means greedy).")
   if not 0.0 < s.top_p <= 1.0:
     raise ConfigError(f"config.sampling.top_p={s.top_p} must be in (0, 1].")
+  _validate_slots(c)
   if o.learning_rate <= 0:
     raise ConfigError(f"config.optim.learning_rate={o.learning_rate} must be > 0.")
   if o.schedule not in SCHEDULES:
@@ -85,10 +88,33 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_tools(c)
   if c.eval.samples < 1:
     raise ConfigError(f"config.eval.samples={c.eval.samples} must be >= 1.")
+  _positive(c, "eval.batch_size", c.eval.batch_size, allow_zero=True)
   _validate_eval_data(c)
   _validate_lora_rank(c)
   _validate_batch_axes(c)
   _validate_rewards(c)
+  _validate_run_control(c)
+
+
+def _validate_run_control(c: ml_collections.ConfigDict) -> None:
+  """Stop signals, and the optional Weights & Biases logging."""
+  from rljax.trainer.stopping import parse_signals
+  signals = c.train.stop_signals
+  if not isinstance(signals, (list, tuple)):
+    raise ConfigError(f"config.train.stop_signals={signals!r} must be a list of signal names, e.g. "
+                      "['SIGINT', 'SIGTERM'] (or [] for the default behaviour).")
+  parse_signals(signals)
+  w = c.output.wandb
+  if w.mode not in WANDB_MODES:
+    raise ConfigError(f"config.output.wandb.mode={w.mode!r} is not one of {WANDB_MODES}.")
+  if w.project:
+    import importlib.util
+    if importlib.util.find_spec("wandb") is None:
+      raise ConfigError(f"config.output.wandb.project={w.project!r} logs to Weights & Biases, which is not "
+                        "installed: pip install wandb (or 'rljax[wandb]'), or set output.wandb.project=''.")
+  elif w.name or w.entity:
+    raise ConfigError("config.output.wandb.name / entity are set but output.wandb.project is empty, so nothing "
+                      "would be logged to Weights & Biases: set output.wandb.project too, or leave them empty.")
 
 
 def _validate_group_size(c: ml_collections.ConfigDict) -> None:
@@ -121,6 +147,30 @@ def _validate_eval_data(c: ml_collections.ConfigDict) -> None:
         "training prompts. Give the source one path per split, e.g. path={'train': '/data/train.jsonl', "
         "'test': '/data/test.jsonl'}; or turn evaluation off (eval.every=0, eval.before_and_after=False); or "
         "set eval.allow_training_data=True to evaluate on training data on purpose.")
+
+
+def _validate_slots(c: ml_collections.ConfigDict) -> None:
+  """sampling.slots: the single-turn sampler's decode slots (docs/sampling.md). Whether the mesh's
+  batch shards divide it is checked once the mesh exists (rljax.rollout.slots.check_blocks)."""
+  s = c.sampling
+  _positive(c, "sampling.slots", s.slots, allow_zero=True)
+  if not s.slots:
+    return
+  prompts = c.train.prompts_per_step * dynamic_oversample(c)
+  rows = prompts * s.num_samples
+  if s.slots > rows:
+    raise ConfigError(f"config.sampling.slots={s.slots} is more than the rows sampled per step ({prompts} prompts x "
+                      f"{s.num_samples} samples = {rows}); every row already has a slot: set at most {rows}, or 0.")
+  if c.tools.enabled:
+    raise ConfigError(
+        "config.sampling.slots with tools.enabled: decode slots are the single-turn sampler's; the multi-turn "
+        "engine decodes every trajectory in its own row while others wait for tools (its tools.slots is the "
+        "cache length of each row, another thing). Leave sampling.slots=0.")
+  if c.rollout.mode == "partial":
+    raise ConfigError(
+        "config.sampling.slots with rollout.mode='partial': the partial mode already refills its decode batch "
+        "between rounds (finished groups leave the pool, fresh ones join) and decodes every row of its pool from "
+        "its own history; size that batch with rollout.oversample. Leave sampling.slots=0.")
 
 
 def _names(names) -> str:
@@ -191,6 +241,11 @@ def _validate_tools(c: ml_collections.ConfigDict) -> None:
   if tl.format == "python" and names != ["python"]:
     raise ConfigError(f"config.tools.format='python' runs ```python blocks in the interpreter; it takes "
                       f"tools.names=['python'], got {names}. Use format='hermes' for named tools.")
+  from rljax.tools.executor import resolve_tools
+  try:
+    resolve_tools(names)
+  except ConfigError as e:
+    raise ConfigError(f"config.tools.names={names}: {e}") from None
   for name in ("max_turns", "segment_tokens", "max_response_tokens", "max_memory_mb"):
     _positive(c, f"tools.{name}", tl[name])
   _positive(c, "tools.slots", tl.slots, allow_zero=True)
@@ -295,8 +350,10 @@ def check_batch_mesh(c: ml_collections.ConfigDict, mesh, process_count: int) -> 
 
 def _validate_rewards(c: ml_collections.ConfigDict) -> None:
   """The reward spec as the pool will read it (rljax.rewards.RewardSpec): fields, verifiers, their
-  kwargs and signatures, time limits; no worker is started."""
+  kwargs and signatures, time limits, and its routing against data.sources[i].verifier (every
+  source's verifier scores its rows, no fixed verifier scores another source's rows; see
+  rljax/rewards/routing.py); no worker is started."""
   try:
-    RewardSpec.from_dict(c.rewards.to_dict())
+    RewardSpec.from_dict(c.rewards.to_dict(), source_verifiers=source_verifiers_from_data(c.data))
   except ConfigError as e:
     raise ConfigError(f"config.{e}") from None

@@ -12,6 +12,9 @@ from rljax.config import base_config
 def get_config():
   c = base_config()
   c.model.path = "smollm2-135m-instruct"
+  # Recompute layer activations in the backward pass: the update's activations took 4.6 of the step's
+  # 7.9 GB peak RSS without it, 1.2 with it, at the same CPU time per step on 2 cores (README: Memory).
+  c.model.remat = True
   # One-digit problems: 300 distinct, half held out so the held-out score covers 128 distinct ones.
   c.data.sources = [dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=1, seed=0,
                          held_out_fraction=0.5)]
@@ -22,7 +25,7 @@ def get_config():
   c.sampling.temperature = 0.7          # at 1.0 this model's samples are mostly off-topic (12% correct)
   c.rl.preset = "grpo"
   c.rl.kl_coef = 0.0                    # no reference model: saves a forward pass and its memory
-  c.rewards.components = [dict(name="correct", verifier="arithmetic", weight=1.0)]
+  c.rewards.components = [dict(name="correct", verifier="by_source", weight=1.0)]
   c.optim.learning_rate = 1e-5
   c.optim.warmup_steps = 2
   c.train.steps = 24

@@ -35,7 +35,7 @@ def get_config():
   c.sampling.num_samples = 8
   c.sampling.max_new_tokens = 512
   c.rl.preset = "grpo"                  # group mean/std, clip 0.2, seq-mean-token-mean, k3 KL beta 0.04
-  c.rewards.components = [dict(name="correct", verifier="gsm8k", weight=1.0)]
+  c.rewards.components = [dict(name="correct", verifier="by_source", weight=1.0)]
   c.optim.learning_rate = 1e-6
   c.optim.warmup_steps = 10
   c.optim.schedule = "constant"

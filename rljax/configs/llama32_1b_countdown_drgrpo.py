@@ -22,7 +22,7 @@ def get_config():
   c.rl.preset = "dr_grpo"
   c.rl.agg_norm = 1024.0                # Dr. GRPO's constant: max_new_tokens
   c.rewards.components = [
-      dict(name="correct", verifier="countdown", weight=1.0),
+      dict(name="correct", verifier="by_source", weight=1.0),
       dict(name="format", verifier="format", weight=0.1),
   ]
   c.optim.learning_rate = 1e-6

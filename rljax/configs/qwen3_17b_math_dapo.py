@@ -25,7 +25,7 @@ def get_config():
   c.sampling.max_new_tokens = 2048
   c.rl.preset = "dapo"                  # clip 0.2/0.28, token-mean, overlong filter, no KL
   c.rewards.components = [
-      dict(name="correct", verifier="math", weight=1.0),
+      dict(name="correct", verifier="by_source", weight=1.0),
       dict(name="overlong", verifier="overlong", weight=1.0, kwargs=dict(max_len=2048, buffer=512)),
   ]
   c.optim.learning_rate = 1e-6

@@ -7,7 +7,8 @@ interpreter output is context, never trained on (docs/tools.md).
 
   rljax train --config configs/retool_tiny.py
   rljax train --config configs/retool_tiny.py --config.model.path=/path/to/Qwen2.5-Math-1.5B-Instruct \\
-      --config.train.steps=400 --config.sampling.max_new_tokens=1024 --config.tools.max_turns=8
+      --config.train.steps=400 --config.sampling.max_new_tokens=1024 --config.tools.max_turns=8 \\
+      --config.data.sources='[{"kind": "arithmetic", "verifier": "arithmetic", "difficulty": 3}]'
 """
 from rljax.config import base_config
 
@@ -18,7 +19,9 @@ SYSTEM_PROMPT = ("You are a careful maths assistant with a Python interpreter. T
 
 def get_config():
   c = base_config()
-  c.data.sources = [dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=3, seed=0)]
+  # One-digit problems: the 135M model solves some of them, so the run shows a reward above 0 (at
+  # difficulty 3 it scored 0.000 in both steps); a larger model takes harder ones (see the docstring).
+  c.data.sources = [dict(kind="arithmetic", weight=1.0, verifier="arithmetic", difficulty=1, seed=0)]
   c.data.system_prompt = SYSTEM_PROMPT
   c.data.max_prompt_tokens = 128
   c.sampling.num_samples = 4
@@ -35,7 +38,7 @@ def get_config():
   c.tools.timeout_s = 5.0
   c.rl.preset = "grpo"
   c.rl.kl_coef = 0.0
-  c.rewards.components = [dict(name="correct", verifier="arithmetic", weight=1.0)]
+  c.rewards.components = [dict(name="correct", verifier="by_source", weight=1.0)]
   c.optim.learning_rate = 1e-6
   c.train.steps = 2
   c.train.prompts_per_step = 4

@@ -10,8 +10,8 @@ import copy
 import string
 from typing import Any, Mapping
 
-from rljax.errors import ConfigError
 from rljax.data import procedural
+from rljax.errors import ConfigError
 
 SOURCE_KINDS = ("jsonl", "parquet", "json", "tfds", "gsm8k", "math", "arithmetic", "countdown")
 PROCEDURAL_KINDS = ("arithmetic", "countdown")
@@ -132,7 +132,8 @@ def template_fields(template: str, where: str) -> set[str]:
   try:
     parsed = list(string.Formatter().parse(template))
   except ValueError as e:
-    raise ConfigError(f"{where}={template!r}: not a valid format string ({e}); write literal braces as '{{{{' and '}}}}'.") from e
+    raise ConfigError(f"{where}={template!r}: not a valid format string ({e}); write literal braces as "
+                      f"'{{{{' and '}}}}'.") from e
   names = set()
   for _, name, _, _ in parsed:
     if name is None:
@@ -155,7 +156,8 @@ def _normalize_fields(fields: Any, kind: str, where: str) -> dict[str, Any]:
   if fields is None:
     fields = {}
   if not isinstance(fields, Mapping):
-    raise ConfigError(f"{where}={fields!r}: expected a mapping like {{prompt: question, answer: answer, extra: [...]}}.")
+    raise ConfigError(f"{where}={fields!r}: expected a mapping like "
+                      "{prompt: question, answer: answer, extra: [...]}.")
   _check_unknown(fields, {"prompt": 0, "answer": 0, "id": 0, "extra": 0}, where)
   out = {"prompt": base["prompt"], "answer": base["answer"], "id": None, "extra": {}}
   out.update({k: v for k, v in fields.items() if k != "extra"})
@@ -170,7 +172,8 @@ def _normalize_fields(fields: Any, kind: str, where: str) -> dict[str, Any]:
   for key, column in extra.items():
     _check_str(column, f"{where}.extra.{key}", optional=False)
     if key in RESERVED_KEYS:
-      raise ConfigError(f"{where}.extra.{key}: '{key}' is reserved for the Example itself; map it to another name, e.g. {{row_{key}: {column}}}.")
+      raise ConfigError(f"{where}.extra.{key}: '{key}' is reserved for the Example itself; map it to another name, "
+                        f"e.g. {{row_{key}: {column}}}.")
   out["extra"] = dict(extra)
   return out
 
@@ -197,7 +200,8 @@ def _normalize_source(src: Any, index: int, top: Mapping[str, Any]) -> dict[str,
   _check_str(out["verifier"], f"{where}.verifier")
   if out["verifier"] is None:
     if kind not in DEFAULT_VERIFIER:
-      raise ConfigError(f"{where}.verifier: required for kind '{kind}'; name the verifier that scores this source, e.g. verifier: math.")
+      raise ConfigError(f"{where}.verifier: required for kind '{kind}'; name the verifier that scores this source, "
+                        f"e.g. verifier: math.")
     out["verifier"] = DEFAULT_VERIFIER[kind]
   _check_int(out["num_examples"], f"{where}.num_examples", minimum=1, optional=True)
   _check_str(out["system_prompt"], f"{where}.system_prompt")
@@ -206,7 +210,8 @@ def _normalize_source(src: Any, index: int, top: Mapping[str, Any]) -> dict[str,
   if kind in FILE_KINDS:
     path = out["path"]
     if path is None:
-      raise ConfigError(f"{where}.path: required for kind '{kind}'; give a file, a directory, a glob, or a mapping split -> path.")
+      raise ConfigError(f"{where}.path: required for kind '{kind}'; give a file, a directory, a glob, or a mapping "
+                        f"split -> path.")
     if isinstance(path, Mapping):
       for split_name, p in path.items():
         _check_str(p, f"{where}.path.{split_name}", optional=False)
@@ -214,7 +219,8 @@ def _normalize_source(src: Any, index: int, top: Mapping[str, Any]) -> dict[str,
       _check_str(path, f"{where}.path", optional=False)
   if kind == "tfds":
     if (out["name"] is None) == (out["path"] is None):
-      raise ConfigError(f"{where}: kind 'tfds' needs exactly one of 'name' (a registered or prepared dataset, with data_dir) or 'path' (a prepared dataset version directory).")
+      raise ConfigError(f"{where}: kind 'tfds' needs exactly one of 'name' (a registered or prepared dataset, with "
+                        f"data_dir) or 'path' (a prepared dataset version directory).")
     _check_str(out["name"], f"{where}.name")
     _check_str(out["path"], f"{where}.path")
     _check_str(out["data_dir"], f"{where}.data_dir")
@@ -227,9 +233,11 @@ def _normalize_source(src: Any, index: int, top: Mapping[str, Any]) -> dict[str,
   if kind in PROCEDURAL_KINDS:
     difficulty = out["difficulty"]
     if not _is_int(difficulty) or not 1 <= difficulty <= MAX_DIFFICULTY[kind]:
-      raise ConfigError(f"{where}.difficulty={difficulty!r}: expected an integer from 1 to {MAX_DIFFICULTY[kind]} for '{kind}'.")
+      raise ConfigError(f"{where}.difficulty={difficulty!r}: expected an integer from 1 to {MAX_DIFFICULTY[kind]} "
+                        f"for '{kind}'.")
     share = out["held_out_fraction"]
-    buckets = share * procedural.HELD_OUT_BUCKETS if isinstance(share, (int, float)) and not isinstance(share, bool) else None
+    is_number = isinstance(share, (int, float)) and not isinstance(share, bool)
+    buckets = share * procedural.HELD_OUT_BUCKETS if is_number else None
     if buckets is None or buckets != round(buckets) or not 1 <= buckets < procedural.HELD_OUT_BUCKETS:
       raise ConfigError(f"{where}.held_out_fraction={share!r}: expected a multiple of 1/{procedural.HELD_OUT_BUCKETS} "
                         f"from {1 / procedural.HELD_OUT_BUCKETS} to {1 - 1 / procedural.HELD_OUT_BUCKETS} "
@@ -292,7 +300,8 @@ def normalize_config(cfg: Any) -> dict[str, Any]:
     as_list = []
     for label, src in sources.items():
       if isinstance(src, Mapping) and src.get("label", label) != label:
-        raise ConfigError(f"data.sources.{label}.label={src['label']!r}: differs from its key; drop 'label' or make them equal.")
+        raise ConfigError(f"data.sources.{label}.label={src['label']!r}: differs from its key; drop 'label' or make "
+                          f"them equal.")
       as_list.append({**src, "label": label} if isinstance(src, Mapping) else src)
     sources = as_list
   if not isinstance(sources, list) or not sources:
@@ -308,7 +317,8 @@ def normalize_config(cfg: Any) -> dict[str, Any]:
     labels.append(s["label"])
   for label in labels:
     if labels.count(label) > 1:
-      raise ConfigError(f"data.sources: label {label!r} is used by more than one source; give each source a distinct 'label'.")
+      raise ConfigError(f"data.sources: label {label!r} is used by more than one source; give each source a distinct "
+                        f"'label'.")
   return out
 
 

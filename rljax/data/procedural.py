@@ -10,7 +10,8 @@ Held-out split. Every problem has a bucket, a hash of its canonical form
 belong to the held-out split and the rest to train; each split rejects
 candidates from the other's buckets, so train and held-out problems never
 coincide, for any seeds. Small problem spaces need a larger share: difficulty 1
-arithmetic has 300 distinct problems, so the default 1/16 holds out about 19. Any split name other than "train" reads the held-out stream.
+arithmetic has 300 distinct problems, so the default 1/16 holds out about 19. Any split name
+other than "train" reads the held-out stream.
 
 Difficulty:
   arithmetic  d -> operands drawn uniformly from [0, 10**d), ceil(d / 2)

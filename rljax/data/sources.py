@@ -56,7 +56,8 @@ def resolve_files(path: str, formats: Sequence[str], where: str) -> list[tuple[s
   if os.path.isfile(path):
     fmt = fmt_of(path) or (formats[0] if len(formats) == 1 else None)
     if fmt is None:
-      raise DataError(f"{where}: cannot tell the format of '{path}'; name it *.jsonl, *.json or *.parquet, or use kind jsonl/json/parquet.")
+      raise DataError(f"{where}: cannot tell the format of '{path}'; name it *.jsonl, *.json or *.parquet, or use "
+                      f"kind jsonl/json/parquet.")
     return [(path, fmt)]
   if os.path.isdir(path):
     candidates = [os.path.join(root, f) for root, _, files in os.walk(path) for f in files]
@@ -207,7 +208,8 @@ class ParquetReader(RowReader):
     available = pf.schema_arrow.names
     missing = [c for c in columns if c not in available]
     if missing:
-      raise DataError(f"{where}: Parquet file '{file}' has no column(s) {missing}; available columns are {available}. Fix the source's 'fields' mapping.")
+      raise DataError(f"{where}: Parquet file '{file}' has no column(s) {missing}; available columns are "
+                      f"{available}. Fix the source's 'fields' mapping.")
     table = pf.read(columns=list(columns))
     self._columns = {name: table.column(name).to_pylist() for name in columns}
     self._len = table.num_rows
@@ -246,7 +248,8 @@ class TfdsReader(RowReader):
     try:
       import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
     except ImportError as e:
-      raise ConfigError(f"{where}: kind 'tfds' needs the tensorflow-datasets package; pip install tensorflow-datasets.") from e
+      raise ConfigError(f"{where}: kind 'tfds' needs the tensorflow-datasets package; "
+                        "pip install tensorflow-datasets.") from e
     self._label = f"tfds {name or path} split {split!r}"
     try:
       if path is not None:

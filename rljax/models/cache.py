@@ -18,7 +18,8 @@ every step, several times slower on CPU).
 - `DecodeCache`: L per-layer caches of the rows, their slot mask and the next slot: what the
   decode loops carry (one array per layer, so a step never slices a layer out of a stack).
 - `PrefixCache`: a read-only cache of P prompts that each group of B / P rows attends before its
-  own slots (the prompt cache of a group, never copied per row).
+  own slots (the prompt cache of a group, never copied per row), or, once `point`ed, that each
+  row attends at its own prompt (continuous batching: any decode slot may run any prompt's row).
 """
 from __future__ import annotations
 
@@ -53,9 +54,15 @@ class LayerCache:
     return self.k.shape[-1]
 
   def write(self, key: jax.Array, value: jax.Array, index) -> "LayerCache":
-    """key, value: [B, T, K, Dh] written at slots [index, index + T)."""
-    k = jax.lax.dynamic_update_slice_in_dim(self.k, key.transpose(0, 2, 3, 1).astype(self.k.dtype), index, axis=3)
-    v = jax.lax.dynamic_update_slice_in_dim(self.v, value.transpose(0, 2, 1, 3).astype(self.v.dtype), index, axis=2)
+    """key, value: [B, T, K, Dh] written at slots [index, index + T); index: [] int32, or [B]
+    int32, each row's own."""
+    key, value = key.transpose(0, 2, 3, 1).astype(self.k.dtype), value.transpose(0, 2, 1, 3).astype(self.v.dtype)
+    if jnp.ndim(index) == 0:
+      k = jax.lax.dynamic_update_slice_in_dim(self.k, key, index, axis=3)
+      v = jax.lax.dynamic_update_slice_in_dim(self.v, value, index, axis=2)
+    else:
+      k = put_rows(self.k, key, index, axis=3)
+      v = put_rows(self.v, value, index, axis=2)
     return LayerCache(k, v)
 
   def grow(self, extra: int) -> "LayerCache":
@@ -97,7 +104,8 @@ class DecodeCache:
 
   layers: L caches [B, ...]; mask: [B, S] bool, the slots that hold a real token; index: [] int32,
   the next slot to write (all rows write the same slot: a decode step takes one slot of every
-  row, a feed of W tokens takes W; slots a row does not use stay masked).
+  row, a feed of W tokens takes W; slots a row does not use stay masked), or [B] int32, each
+  row's own next slot (the sampler's decode slots, each at its own sample's length).
   """
   layers: tuple[LayerCache, ...]
   mask: jax.Array
@@ -123,34 +131,72 @@ class DecodeCache:
 
   def constrain(self, constrain) -> "DecodeCache":
     """`constrain(x, logical_axes)` applied to every array (rows split like the batch)."""
+    index = self.index if jnp.ndim(self.index) == 0 else constrain(self.index, ("batch",))
     return DecodeCache(tuple(c.constrain(constrain) for c in self.layers), constrain(self.mask, ("batch", None)),
-                       self.index)
+                       index)
 
 
 @struct.dataclass
 class PrefixCache:
   """A read-only cache of P prompts: layers L caches [P, K, Dh, Sp] / [P, K, Sp, Dh], mask [P, Sp]
-  bool. Each group of B / P consecutive rows attends its prompt's slots before its own."""
+  bool. Each group of B / P consecutive rows attends its prompt's slots before its own; or, with
+  `index` ([B] int32, set by `point`), row b attends the prompt `index[b]` of its block: the rows
+  and the prompts are cut into `blocks` equal blocks (a batch shard each) and a row reads only
+  prompts of its own block, so a sharded batch never gathers another shard's prompts."""
   layers: tuple[LayerCache, ...]
   mask: jax.Array
+  index: Any = None
+  blocks: int = struct.field(pytree_node=False, default=1)
 
   @classmethod
   def from_kv(cls, cache: KVCache) -> "PrefixCache":
     """The prompt cache a prefill left (its index is not needed: nothing more is written)."""
     return cls(cache.unstacked(), cache.kv_mask)
 
+  def point(self, index: jax.Array, blocks: int = 1) -> "PrefixCache":
+    """The same prompts, row b attending prompt index[b] (within its block of B / blocks rows and
+    P / blocks prompts)."""
+    return self.replace(index=index, blocks=blocks)
+
+  def rows(self, x: jax.Array, b: int) -> jax.Array:
+    """A per-prompt array x [P, ...] as the B rows see it: [B, ...]."""
+    return prefix_rows_of(x, b, self.index, self.blocks)
+
   def constrain(self, constrain) -> "PrefixCache":
-    return PrefixCache(tuple(c.constrain(constrain) for c in self.layers), constrain(self.mask, ("batch", None)))
+    index = None if self.index is None else constrain(self.index, ("batch",))
+    return PrefixCache(tuple(c.constrain(constrain) for c in self.layers), constrain(self.mask, ("batch", None)),
+                       index, self.blocks)
 
 
 @struct.dataclass
 class PrefixView:
   """What one layer's attention reads of a `PrefixCache`: its keys and values (`cache`), the
-  prefix mask [P, Sp], and with sliding-window layers `window` [B, T, Sp] bool, the prefix slots
-  within each row's queries' window (None without sliding layers)."""
+  prefix mask [P, Sp], with sliding-window layers `window` [B, T, Sp] bool, the prefix slots
+  within each row's queries' window (None without sliding layers), and the rows' prompts
+  (`index`, `blocks`: see `PrefixCache`; None: groups of B / P consecutive rows)."""
   cache: LayerCache
   mask: jax.Array
   window: Any = None
+  index: Any = None
+  blocks: int = struct.field(pytree_node=False, default=1)
+
+
+def prefix_rows_of(x: jax.Array, b: int, index=None, blocks: int = 1) -> jax.Array:
+  """x [P, ...] per prompt -> [B, ...] per row: each prompt repeated for its B / P consecutive rows
+  (index None), or row b reading prompt index[b] of its block (B / blocks rows, P / blocks
+  prompts per block; a gather within each block, so a block sharded onto one device reads only
+  that device's prompts)."""
+  if index is None:
+    return jnp.repeat(x, b // x.shape[0], axis=0, total_repeat_length=b)
+  p = x.shape[0]
+  xb = x.reshape((blocks, p // blocks) + x.shape[1:])
+  return jax.vmap(lambda a, i: a[i])(xb, index.reshape(blocks, b // blocks)).reshape((b,) + x.shape[1:])
+
+
+def put_rows(buf: jax.Array, values: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+  """buf [B, ...] with values [B, ...] written at index[b] along `axis` of each row b (a
+  dynamic_update_slice per row, one scatter)."""
+  return jax.vmap(lambda x, y, i: jax.lax.dynamic_update_slice_in_dim(x, y, i, axis=axis - 1))(buf, values, index)
 
 
 def cached_attention(q, cache: LayerCache, mask, prefix: PrefixView | None = None, scale=None, softcap=None,
@@ -159,25 +205,32 @@ def cached_attention(q, cache: LayerCache, mask, prefix: PrefixView | None = Non
 
   q: [B, T, K, R, Dh]; cache: k [B, K, Dh, S], v [B, K, S, Dh]; mask: [B, T, S] bool; prefix:
   keys and values [P, ...] with mask [P, Sp], read-only, shared by each group of B / P
-  consecutive rows and attended before the row's own slots; prefix_rows: None or [B, T, Sp]
-  bool, a further per-query mask of the prefix (a sliding window). Scores are q.k * scale
-  (default: q.k / sqrt(Dh)), then soft-capped (cap * tanh(s / cap)) when `softcap` is set, then
-  masked. Returns [B, T, K, R, Dh].
+  consecutive rows (or, with `prefix.index`, row b reading its own prompt) and attended before
+  the row's own slots; prefix_rows: None or [B, T, Sp] bool, a further per-query mask of the
+  prefix (a sliding window). Scores are q.k * scale (default: q.k / sqrt(Dh)), then soft-capped
+  (cap * tanh(s / cap)) when `softcap` is set, then masked. Returns [B, T, K, R, Dh].
 
   For one token (decode) a row's cache is read with products summed in place: one pass over the
   cache, where batched matmuls with R-row operands run far below memory speed on CPU. The shared
   prefix is read once per group, by one matmul whose rows are the group's G * T * R queries,
-  instead of once per row.
+  instead of once per row. A pointed prefix (`prefix.index`) is read per row like the row's own
+  cache, through a gather of its prompt's keys and values.
   """
   k, v = cache.k, cache.v
   b, t, kh, r, dh = q.shape
-  if t == 1:
-    q1 = q[:, 0].astype(jnp.float32)  # [B, K, R, Dh]
-    scores = jnp.sum(q1[..., None] * k[:, :, None].astype(jnp.float32), axis=3)[:, :, None]  # [B, K, 1, R, S]
-  else:
-    scores = jnp.einsum("btkrd,bkds->bktrs", q, k, preferred_element_type=jnp.float32)
+  scores = _row_scores(q, k)
   scores = jnp.where(mask[:, None, :, None, :], soft_cap(scale_scores(scores, scale, dh), softcap), MASK_VALUE)
-  if prefix is not None:
+  pointed = prefix is not None and prefix.index is not None
+  if pointed:
+    per_row = lambda x: prefix_rows_of(x, b, prefix.index, prefix.blocks)
+    pk, pv, pmask = per_row(prefix.cache.k), per_row(prefix.cache.v), per_row(prefix.mask)
+    n = pk.shape[-1]
+    pscores = soft_cap(scale_scores(_row_scores(q, pk), scale, dh), softcap)
+    pscores = jnp.where(pmask[:, None, None, None, :], pscores, MASK_VALUE)  # [B, K, T, R, Sp]
+    if prefix_rows is not None:
+      pscores = jnp.where(prefix_rows[:, None, :, None, :], pscores, MASK_VALUE)
+    scores = jnp.concatenate([pscores, scores], axis=-1)
+  elif prefix is not None:
     pk, pv, pmask = prefix.cache.k, prefix.cache.v, prefix.mask
     p, n = pk.shape[0], pk.shape[-1]
     g, rows = b // p, t * r
@@ -192,13 +245,29 @@ def cached_attention(q, cache: LayerCache, mask, prefix: PrefixView | None = Non
       pscores = jnp.where(prefix_rows[:, None, :, None, :], pscores, MASK_VALUE)
     scores = jnp.concatenate([pscores, scores], axis=-1)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, T, R, (Sp +) S]
-  if prefix is not None:
-    shared = ungrouped(jnp.einsum("pkqs,pksd->pkqd", grouped(probs[..., :n]), pv.astype(v.dtype)))
+  if pointed:
+    shared = _row_values(probs[..., :n], pv.astype(v.dtype))
     probs = probs[..., n:]
-  if t == 1:
-    out = jnp.sum(probs[:, :, 0, :, :, None] * v[:, :, None], axis=3)[:, None]  # [B, 1, K, R, Dh]
-  else:
-    out = jnp.einsum("bktrs,bksd->btkrd", probs, v)
+  elif prefix is not None:
+    shared = ungrouped(jnp.einsum("pkqs,pksd->pkqd", grouped(probs[..., :n]), pv.astype(v.dtype)))
+    shared = shared.transpose(0, 2, 1, 3, 4)
+    probs = probs[..., n:]
+  out = _row_values(probs, v)
   if prefix is not None:
-    out = out + shared.transpose(0, 2, 1, 3, 4)
+    out = out + shared
   return out
+
+
+def _row_scores(q, k):
+  """q [B, T, K, R, Dh] against each row's keys k [B, K, Dh, S]: scores [B, K, T, R, S] float32."""
+  if q.shape[1] == 1:
+    q1 = q[:, 0].astype(jnp.float32)  # [B, K, R, Dh]
+    return jnp.sum(q1[..., None] * k[:, :, None].astype(jnp.float32), axis=3)[:, :, None]  # [B, K, 1, R, S]
+  return jnp.einsum("btkrd,bkds->bktrs", q, k, preferred_element_type=jnp.float32)
+
+
+def _row_values(probs, v):
+  """probs [B, K, T, R, S] over each row's values v [B, K, S, Dh]: [B, T, K, R, Dh]."""
+  if probs.shape[2] == 1:
+    return jnp.sum(probs[:, :, 0, :, :, None] * v[:, :, None], axis=3)[:, None]  # [B, 1, K, R, Dh]
+  return jnp.einsum("bktrs,bksd->btkrd", probs, v)

@@ -63,6 +63,8 @@ def resolve(x: str | os.PathLike) -> tuple[str, str]:
                        f"{CONFIG_FILE} and {SAFETENSORS_FILE}).")
   if builtin.is_builtin(path):
     return "gguf", builtin.resolve_builtin(path)
+  if builtin.looks_like_hub_id(path):
+    raise WeightsError(builtin.hub_id_message(path))
   if os.sep in path or "/" in path or path.lower().endswith((".gguf", ".safetensors", ".json")):
     raise WeightsError(f"{path}: no such file or directory.")
   builtin.resolve_builtin(path)  # raises the error listing the built-in names

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from rljax import sharding as shd
 from rljax.models import families, rope as rope_lib
 from rljax.models.attention import attend, soft_cap
-from rljax.models.cache import DecodeCache, KVCache, LayerCache, PrefixCache, PrefixView, cached_attention
+from rljax.models.cache import DecodeCache, KVCache, LayerCache, PrefixCache, PrefixView, cached_attention, put_rows
 from rljax.models.config import ModelConfig
 from rljax.models.layers import embed_tokens, lora_delta, make_norm, param
 from rljax.models.outputs import ModelOutput, collect_stats
@@ -399,15 +399,17 @@ class Transformer(nn.Module):
 
   def decode(self, layers: tuple, tokens, positions, token_mask, cache: DecodeCache, prefix: PrefixCache | None = None):
     """W new tokens per row through the model over per-layer caches, written at slots
-    [cache.index, cache.index + W): the forward of `__call__` with a cache, the layers unrolled.
+    [cache.index, cache.index + W) (cache.index: [] int32, or [B] int32, each row's own): the
+    forward of `__call__` with a cache, the layers unrolled.
 
     layers: the L per-layer parameter trees (`layer_params`, sliced once, outside any decode
     loop); tokens, positions: [B, W] int32; token_mask: [B, W] bool; cache: the rows' caches;
-    prefix: None, or the prompt cache that each group of B / P consecutive rows attends before
-    its own slots. Token w of a row attends to its prefix, then to the slots <= index + w whose
-    mask is set. Returns the final-normed hidden states [B, W, D] (compute dtype), the cache
-    with the new tokens (index advanced by W) and, for a mixture of experts, the experts each new
-    token was routed to in each routed layer, [B, W, L_moe, k] int32 (None for dense models).
+    prefix: None, or the prompt cache that each group of B / P consecutive rows (or, pointed,
+    each row its own prompt: `PrefixCache.point`) attends before its own slots. Token w of a row
+    attends to its prefix, then to the slots <= index + w whose mask is set. Returns the
+    final-normed hidden states [B, W, D] (compute dtype), the cache with the new tokens (index
+    advanced by W) and, for a mixture of experts, the experts each new token was routed to in each
+    routed layer, [B, W, L_moe, k] int32 (None for dense models).
 
     One cache array and one parameter tree per layer instead of the scanned [L, ...] stacks:
     slicing a layer out of a stack inside a decode loop copies its cache and weights on every
@@ -422,14 +424,19 @@ class Transformer(nn.Module):
     x = embed_tokens(c, self.embed, tokens)  # [B, W, D]
     rope = layer_rope(positions, c)
     index = cache.index
-    kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.mask, token_mask, index, axis=1)
-    causal = jnp.arange(kv_mask.shape[1])[None, :] <= index + jnp.arange(w)[:, None]  # [W, S]
-    mask = causal[None] & kv_mask[:, None, :]  # [B, W, S]
+    if jnp.ndim(index) == 0:
+      kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.mask, token_mask, index, axis=1)
+      causal = jnp.arange(kv_mask.shape[1])[None, :] <= index + jnp.arange(w)[:, None]  # [W, S]
+      mask = causal[None] & kv_mask[:, None, :]  # [B, W, S]
+    else:   # each row at its own slot
+      kv_mask = put_rows(cache.mask, token_mask, index, axis=1)
+      causal = jnp.arange(kv_mask.shape[1])[None, None, :] <= (index[:, None] + jnp.arange(w)[None, :])[..., None]
+      mask = causal & kv_mask[:, None, :]  # [B, W, S]
     window = None
     if c.has_sliding_layers:
       before = None
-      if prefix is not None:  # each row's queries against its group's prompt cache: [B, W, Sp]
-        rows = lambda a: jnp.repeat(a, b // prefix.mask.shape[0], axis=0, total_repeat_length=b)
+      if prefix is not None:  # each row's queries against its prompt's cache: [B, W, Sp]
+        rows = lambda a: prefix.rows(a, b)
         before = rows(jnp.sum(prefix.mask, axis=-1, dtype=jnp.int32))
         window = rows(prefix.mask)[:, None, :] & window_mask(c, positions, rows(cache_key_positions(prefix.mask)))
       mask = (mask, mask & window_mask(c, positions, cache_key_positions(kv_mask, before)))
@@ -437,7 +444,7 @@ class Transformer(nn.Module):
     plan = layer_plan(c)
     new, routes = [], []
     for i, (p, layer_cache) in enumerate(zip(layers, cache.layers)):
-      view = None if prefix is None else PrefixView(prefix.layers[i], prefix.mask, window)
+      view = None if prefix is None else PrefixView(prefix.layers[i], prefix.mask, window, prefix.index, prefix.blocks)
       layer = DecoderLayer(c, kind=plan.kinds[i], parent=None)
       x, (layer_cache, stats) = layer.apply({"params": p}, x, layer_cache, jnp.asarray(flags[i]), rope, mask, index,
                                             view, token_mask)

@@ -34,6 +34,8 @@ from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
 from rljax.models.config import ModelConfig
 from rljax.plan import hlo
+from rljax.rewards import reward_models
+from rljax.rewards.spec import RewardSpec
 from rljax.rollout.sampler import make_generate_fn
 from rljax.trainer import modes, setup as setup_lib
 
@@ -191,8 +193,22 @@ def program_of(name: str, run: Run, mesh, inputs: Inputs, reward_fn=None) -> tup
     return setup_lib.update_program(run.setup, mesh, inputs.state_sh), (inputs.state, inputs.rollout)
   if name == "fused":
     reward_fn = reward_fn or setup_lib.stand_in_reward_fn(run.components)
-    return (setup_lib.train_step_program(run.setup, mesh, inputs.state_sh, reward_fn),
-            (inputs.state, inputs.prompt_ids, inputs.prompt_mask))
+    graph = reward_models.abstract_scorer(RewardSpec(components=run.config.rewards.to_dict()["components"]), mesh,
+                                          dtype=run.model.dtype)
+    if graph is None:
+      return (setup_lib.train_step_program(run.setup, mesh, inputs.state_sh, reward_fn),
+              (inputs.state, inputs.prompt_ids, inputs.prompt_mask))
+    # Reward models and judges: their parameters and forward are part of the step (and of its memory).
+    graph_inputs = reward_models.abstract_inputs(graph, run.prompts, run.prompt_len)
+    stand_in = reward_fn
+
+    def reward_fn(tokens, lengths, graph_inputs):
+      rewards, components = stand_in(tokens, lengths)
+      return rewards + graph.scores(graph_inputs, tokens, lengths).sum(1), components
+
+    shardings = jax.tree.map(lambda x: x.sharding, graph_inputs)
+    return (setup_lib.train_step_program(run.setup, mesh, inputs.state_sh, reward_fn, shardings),
+            (inputs.state, inputs.prompt_ids, inputs.prompt_mask, graph_inputs))
   raise ConfigError(f"--program={name!r} is not one of {PROGRAMS + ('all',)}.")
 
 

@@ -7,16 +7,24 @@
 
 See docs/rewards.md.
 """
-from rljax.rewards.base import (RewardResult, Verifier, get_verifier, list_verifiers, normalize_result,
-                                register_verifier, resolve)
-from rljax.rewards.compose import RewardBatch, combine
-from rljax.rewards.spec import ComponentSpec, RewardSpec, weight_at
-from rljax.rewards.pool import RewardPool
-from rljax.rewards.callback import RewardFn, make_reward_fn
 from rljax.rewards import verifiers as _verifiers  # noqa: F401  (registers the built-ins)
+from rljax.rewards.base import (
+                                ItemFailure,
+                                RewardResult,
+                                Verifier,
+                                get_verifier,
+                                list_verifiers,
+                                normalize_result,
+                                register_verifier,
+                                resolve,
+)
+from rljax.rewards.callback import RewardFn, make_reward_fn
+from rljax.rewards.compose import RewardBatch, combine
+from rljax.rewards.pool import RewardPool
+from rljax.rewards.spec import ComponentSpec, RewardSpec, weight_at
 
 __all__ = [
-    "ComponentSpec", "RewardBatch", "RewardFn", "RewardPool", "RewardResult", "RewardSpec", "Verifier",
+    "ComponentSpec", "ItemFailure", "RewardBatch", "RewardFn", "RewardPool", "RewardResult", "RewardSpec", "Verifier",
     "combine", "get_verifier", "list_verifiers", "make_reward_fn", "normalize_result", "register_verifier",
     "resolve", "weight_at",
 ]

@@ -46,6 +46,14 @@ class RewardResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class ItemFailure:
+  """What a verifier returns for an item it could not score (a group or batch verifier whose
+  other items did score: a remote judge whose call for one item failed). The item gets the
+  fallback and counts in `verifier/errors`, like an item whose verifier raised."""
+  message: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Verifier:
   """A resolved verifier: the callable plus how the runtime must call it."""
   name: str
@@ -212,8 +220,8 @@ def _load_builtins() -> None:
     importlib.import_module("rljax.rewards.verifiers")
 
 
-def normalize_result(value: Any) -> tuple[float, dict[str, Any] | None]:
-  """(score, info) from a verifier's return value.
+def normalize_result(value: Any) -> tuple[float | None, dict[str, Any] | None]:
+  """(score, info) from a verifier's return value; (None, {"error": message}) for an ItemFailure.
 
   Raises:
     TypeError: the value is not a number, bool or RewardResult, or its info is not a dict
@@ -221,6 +229,8 @@ def normalize_result(value: Any) -> tuple[float, dict[str, Any] | None]:
     ValueError: the score is not finite in float32 (it is stored as float32).
   """
   info = None
+  if isinstance(value, ItemFailure):
+    return None, {"error": str(value.message)[:2000]}
   if isinstance(value, RewardResult):
     value, info = value.score, value.info
   elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):

@@ -16,8 +16,10 @@ sees another's examples: `set_batch` takes the process's examples and their glob
 row) indices, `local_indices` below computes them from the prompt batch's sharding. Without a
 mesh the callback scores the whole batch on one device, as before.
 
-The pool's metrics (`last_metrics`) describe the rows this process scored; `global_metrics`
-combines them over processes (a small host all-gather: call it on every process, after the step).
+The pool's metrics (`last_metrics`) describe the rows this process scored in the step, over every
+callback round of it (devices that reach the callback more than gather_timeout_s apart are scored
+in rounds: the step's metrics merge them, rljax/rewards/summaries.py); `global_metrics` combines
+them over processes (a small host all-gather: call it on every process, after the step).
 
 Why the callback's inputs are passed in pieces of at most 96 KiB: jax's io_callback copies each
 argument onto the first CPU device before the host function sees it, and the CPU client makes a
@@ -36,8 +38,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from rljax.rewards.compose import RewardBatch, reward_summary
+from rljax.rewards import summaries
+from rljax.rewards.compose import RewardBatch
 from rljax.rewards.pool import RewardPool
+from rljax.rewards.summaries import combine_process_metrics  # noqa: F401  (re-exported: its old home)
 
 log = logging.getLogger("rljax.rewards")
 
@@ -49,7 +53,7 @@ DEFAULT_GATHER_TIMEOUT_S = 30.0
 
 def local_indices(sharding, shape) -> np.ndarray:
   """The global indices along dim 0 that this process's devices hold (`rljax.sharding.local_indices`)."""
-  from rljax.sharding import local_indices as impl   # jax is imported lazily: verifier workers import this module
+  from rljax.sharding import local_indices as impl  # jax is imported lazily: verifier workers import this module
   return impl(sharding, shape)
 
 
@@ -58,7 +62,7 @@ class _Round:
 
   def __init__(self, expected: int):
     self.expected = expected
-    self.arrivals: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []   # (rows, tokens, lengths)
+    self.arrivals: list[tuple] = []   # (rows, tokens, lengths, graph scores or None)
     self.start = time.perf_counter()
     self.closed = False       # no more arrivals join (all came, or a waiter stopped waiting)
     self.scoring = False
@@ -77,11 +81,16 @@ class RewardFn:
     mesh: score per device shard on this mesh (per host); None scores the whole batch at once.
     gather_timeout_s: how long a device's callback waits for the process's other devices
       before scoring its rows alone (a warning is logged when that happens).
+    graph: the spec's reward models and judges (rljax/rewards/reward_models.py GraphScorer), scored
+      in the step before the callback; their scores join the pool's components on the host.
   """
 
   def __init__(self, pool: RewardPool, decode_fn: Callable[[list[list[int]]], Sequence[str]], *,
-               group_size: int = 1, mesh: Any = None, gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S):
+               group_size: int = 1, mesh: Any = None, gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S,
+               graph: Any = None):
     self.pool = pool
+    self.graph = graph if graph is not None and len(graph) else None
+    self._graph_jit = None
     self.decode_fn = decode_fn
     self.group_size = int(group_size)
     self.mesh = mesh
@@ -94,9 +103,8 @@ class RewardFn:
     self._per_row: bool | None = None
     self._step = 0
     self._round: _Round | None = None
-    self._last: RewardBatch | None = None
-    self._last_rows: np.ndarray | None = None
-    self._last_rewards: np.ndarray | None = None
+    # The step's scoring calls: one, or several rounds when devices reach the callback far apart.
+    self._parts: list[tuple[RewardBatch, np.ndarray, np.ndarray]] = []   # (batch, rows, rewards)
     self._timing: dict[str, float] | None = None
 
   # ---- host side ------------------------------------------------------------------------------
@@ -118,6 +126,7 @@ class RewardFn:
         raise ValueError(f"set_batch got {len(self._examples)} examples but {len(self._indices)} indices.")
       self._per_row = per_row
       self._step = int(step)
+      self._parts, self._timing = [], None   # a new step: its metrics cover the rows scored from now
       if group_size is not None:
         self.group_size = int(group_size)
 
@@ -146,11 +155,12 @@ class RewardFn:
     return out
 
   def host_fn(self, tokens: np.ndarray, lengths: np.ndarray, rows: np.ndarray | None = None,
-              n_total: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+              n_total: int | None = None, graph_scores: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Decodes and scores rows on the host; returns (rewards [n] f32, components [n, K] f32).
 
     tokens [n, T], lengths [n]; rows [n] their global row indices and n_total the batch's N
-    (defaults: the n rows are the whole batch, in order).
+    (defaults: the n rows are the whole batch, in order); graph_scores [n, K_graph] the in-graph
+    components' scores of the rows.
     """
     start = time.perf_counter()
     tokens = np.asarray(tokens)
@@ -159,16 +169,21 @@ class RewardFn:
     with self._lock:
       step, g = self._step, self.group_size
       examples = self._lookup(rows, n if n_total is None else int(n_total))
-    rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows)
+    rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows, graph_scores)
     with self._lock:
       self._publish(out, rows, rewards, start)
     return rewards, comps
 
   def _publish(self, out: RewardBatch, rows: np.ndarray, rewards: np.ndarray, start: float) -> None:
-    self._last, self._last_rows, self._last_rewards = out, rows, rewards
-    self._timing = {"start": start, "end": time.perf_counter()}
+    """Adds a scoring call's results to the step's (a call whose rows were already scored starts a
+    new step: the step ran again without set_batch)."""
+    if any(np.intersect1d(rows, part[1]).size for part in self._parts):
+      self._parts, self._timing = [], None
+    self._parts.append((out, rows, rewards))
+    first = start if self._timing is None else min(self._timing["start"], start)
+    self._timing = {"start": first, "end": time.perf_counter()}
 
-  def _score_rows(self, tokens, lengths, examples, step, g, rows):
+  def _score_rows(self, tokens, lengths, examples, step, g, rows, graph_scores=None):
     """Scores rows [n] (sorted global indices, whole groups) against their examples."""
     tokens = np.asarray(tokens)
     lengths = np.asarray(lengths).reshape(-1).astype(np.int64)
@@ -179,24 +194,31 @@ class RewardFn:
       raise ValueError(f"reward callback: the {n} rows on this process are not whole groups of {g} "
                        "(group verifiers need every completion of a prompt); make train.prompts_per_step "
                        "divisible by the product of mesh.shape's data and fsdp axes.")
-    return self._decode_and_score(tokens, lengths, examples, g, step)
+    return self._decode_and_score(tokens, lengths, examples, g, step, graph_scores)
 
-  def _decode_and_score(self, tokens, lengths, examples, g: int, step: int):
+  def _decode_and_score(self, tokens, lengths, examples, g: int, step: int, graph_scores=None):
     """Detokenizes rows [N, T] up to their lengths and scores them: (rewards [N], comps [N, K], batch)."""
     n = tokens.shape[0]
     ids = [tokens[i, :max(0, min(int(lengths[i]), tokens.shape[1]))].tolist() for i in range(n)]
     texts = list(self.decode_fn(ids))
-    out = self.pool.score(texts, examples, num_tokens=lengths, group_size=g, step=step)
+    precomputed = None
+    if self.graph is not None and graph_scores is not None:
+      graph_scores = np.asarray(graph_scores, np.float64).reshape(n, len(self.graph))
+      precomputed = {name: graph_scores[:, j] for j, name in enumerate(self.graph.names)}
+    out = self.pool.score(texts, examples, num_tokens=lengths, group_size=g, step=step, precomputed=precomputed)
     rewards = np.asarray(out.rewards, np.float32).reshape(n)
     comps = out.components_matrix().reshape(n, len(self.component_names))
     return rewards, comps, out
 
   def score(self, tokens: np.ndarray, lengths: np.ndarray, examples: Sequence[Mapping[str, Any]], *,
-            step: int = 0, group_size: int | None = None) -> tuple[np.ndarray, np.ndarray, RewardBatch]:
+            step: int = 0, group_size: int | None = None, rollout: Any = None
+            ) -> tuple[np.ndarray, np.ndarray, RewardBatch]:
     """Decodes and scores tokens [N, T] (lengths [N]) outside jit, without touching set_batch state.
 
     Returns (rewards [N] f32, components [N, K] f32, the pool's RewardBatch). The decoupled
-    rollout modes call this from their scoring thread (trainer/rollouts.py).
+    rollout modes call this from their scoring thread (trainer/rollouts.py). With reward models
+    or judges, `rollout` (the device arrays of these rows) is scored by them on the mesh first
+    (`graph_scores`).
     """
     g = self.group_size if group_size is None else int(group_size)
     tokens = np.asarray(tokens)
@@ -205,7 +227,35 @@ class RewardFn:
     if len(examples) not in (n, n // max(g, 1)) or n % g:
       raise ValueError(f"reward_fn got {n} completions for {len(examples)} examples with group_size={g}; "
                        "set_batch needs one example per prompt (N // G) or per completion (N).")
-    return self._decode_and_score(tokens, lengths, examples, g, step)
+    graph_scores = None
+    if self.graph is not None:
+      if rollout is None:
+        raise ValueError("reward_fn.score: the spec has reward models or judges; pass rollout= (the rows' device "
+                         "arrays) so that they score them on the mesh.")
+      graph_scores = self.graph_scores(rollout.tokens, rollout.lengths, examples)
+    return self._decode_and_score(tokens, lengths, examples, g, step, graph_scores)
+
+  def graph_inputs(self, examples: Sequence[Mapping[str, Any]], num_prompts: int | None = None):
+    """The step's reward inputs (the models' parameters and prompt pieces; GraphScorer.inputs), or
+    None without reward models and judges."""
+    return None if self.graph is None else self.graph.inputs(examples, num_prompts)
+
+  def graph_scores(self, tokens, lengths, examples: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """[N, K_graph] host scores of device rows tokens [N, T], lengths [N] by the reward models and
+    judges, in one compiled program on the graph's mesh (the decoupled modes' path)."""
+    import jax
+
+    from rljax import sharding as shd
+    if self._graph_jit is None:
+      def run(inputs, tokens, lengths):
+        with shd.activate(self.graph.mesh):
+          return self.graph.scores(inputs, tokens, lengths)
+      self._graph_jit = jax.jit(run)
+    n = tokens.shape[0]
+    if self.graph.mesh is not None:   # rows may live on another mesh (the async generators')
+      tokens, lengths = (jax.device_put(x, shd.batch_sharding(self.graph.mesh, x.ndim, n)) for x in (tokens, lengths))
+    inputs = self.graph.inputs(examples, len(examples))
+    return np.asarray(jax.device_get(self._graph_jit(inputs, tokens, lengths)), np.float32)
 
   # ---- per-shard callbacks: one round per step on this process --------------------------------
 
@@ -215,8 +265,8 @@ class RewardFn:
     return sum(1 for d in np.asarray(self.mesh.devices).flat if d.process_index == me)
 
   def _shard_fn(self, n_total: int, width: int, *args) -> tuple[np.ndarray, np.ndarray]:
-    """One device's callback: its rows' tokens (in pieces), lengths and global row indices."""
-    *pieces, lengths, rows = args
+    """One device's callback: its rows' tokens (in pieces), lengths, (graph scores,) and global row indices."""
+    pieces, lengths, extra, rows = self._unpack(args)
     rows = np.asarray(rows, np.int64).reshape(-1)
     n = rows.size
     flat = np.concatenate([np.asarray(p).reshape(-1) for p in pieces]) if pieces else np.zeros(0, np.int32)
@@ -226,7 +276,7 @@ class RewardFn:
       r = self._round
       if r is None or r.closed:
         r = self._round = _Round(self._local_devices())
-      r.arrivals.append((rows, tokens, lengths))
+      r.arrivals.append((rows, tokens, lengths, extra))
       if len(r.arrivals) >= r.expected:
         r.closed = True
         self._cv.notify_all()
@@ -259,11 +309,13 @@ class RewardFn:
       rows = np.concatenate([a[0] for a in r.arrivals])
       tokens = np.concatenate([a[1] for a in r.arrivals])
       lengths = np.concatenate([a[2] for a in r.arrivals])
+      extra = None if self.graph is None else np.concatenate([np.asarray(a[3]) for a in r.arrivals])
       rows, first = np.unique(rows, return_index=True)   # replicas (other mesh axes) scored once
       tokens, lengths = tokens[first], lengths[first]
+      extra = None if extra is None else extra[first]
       with self._lock:
         examples = self._lookup(rows, n_total)
-      rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows)
+      rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows, extra)
       results = {int(i): (float(rw), c) for i, rw, c in zip(rows, rewards, comps)}
       with self._cv:
         r.results = results
@@ -278,11 +330,13 @@ class RewardFn:
 
   # ---- jit side -----------------------------------------------------------------------------------
 
-  def __call__(self, tokens, lengths):
+  def __call__(self, tokens, lengths, inputs=None):
     """Inside jit: (rewards [N] float32, components [N, K] float32) via io_callback.
 
     tokens [N, T] int, lengths [N] int. With a mesh of more than one device the rows are
-    scored per device shard (module doc) and the results are sharded like the rows.
+    scored per device shard (module doc) and the results are sharded like the rows. `inputs`
+    (`graph_inputs`): with reward models or judges, they score the rows here, in the program,
+    and their [N, K_graph] scores go to the host with the tokens.
     """
     import jax
     import jax.numpy as jnp
@@ -292,11 +346,17 @@ class RewardFn:
     tokens = tokens.astype(jnp.int32)
     lengths = lengths.astype(jnp.int32)
     rows = jnp.arange(n, dtype=jnp.int32)
+    extra = []
+    if self.graph is not None:
+      if inputs is None:
+        raise ValueError("reward_fn: the spec has reward models or judges; pass inputs=reward_fn.graph_inputs(...)")
+      extra = [jax.lax.stop_gradient(self.graph.scores(inputs, tokens, lengths)).astype(jnp.float32)]
     if self.mesh is None or self.mesh.size == 1:
       shapes = (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32))
-      return io_callback(lambda *a: self._whole_fn(n, width, *a), shapes, *_pieces(tokens), lengths, rows,
+      return io_callback(lambda *a: self._whole_fn(n, width, *a), shapes, *_pieces(tokens), lengths, *extra, rows,
                          ordered=False)
     from jax.sharding import NamedSharding, PartitionSpec as P
+
     from rljax import sharding as shd
     g = max(self.group_size, 1)
     # Rows are sharded over the mesh axes that shard the prompts, so each shard is whole groups.
@@ -304,53 +364,70 @@ class RewardFn:
     if axes is not None and n % math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)):
       axes = None
 
-    def body(tok, lens, idx):
+    def body(tok, lens, idx, *more):
       m = tok.shape[0]
       shapes = (jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((m, k), jnp.float32))
-      return io_callback(lambda *a: self._shard_fn(n, width, *a), shapes, *_pieces(tok), lens, idx,
+      return io_callback(lambda *a: self._shard_fn(n, width, *a), shapes, *_pieces(tok), lens, *more, idx,
                          ordered=False)
 
-    rewards, comps = jax.shard_map(body, mesh=self.mesh, in_specs=(P(axes, None), P(axes), P(axes)),
-                                   out_specs=(P(axes), P(axes, None)), check_vma=False)(tokens, lengths, rows)
+    specs = (P(axes, None), P(axes), P(axes)) + (P(axes, None),) * len(extra)
+    rewards, comps = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=(P(axes), P(axes, None)),
+                                   check_vma=False)(tokens, lengths, rows, *extra)
     rewards = jax.lax.with_sharding_constraint(rewards, NamedSharding(self.mesh, P(axes)))
     comps = jax.lax.with_sharding_constraint(comps, NamedSharding(self.mesh, P(axes, None)))
     return rewards, comps
 
   def _whole_fn(self, n_total: int, width: int, *args):
     """The callback without a mesh: every row at once."""
-    *pieces, lengths, rows = args
+    pieces, lengths, extra, rows = self._unpack(args)
     flat = np.concatenate([np.asarray(p).reshape(-1) for p in pieces]) if pieces else np.zeros(0, np.int32)
     tokens = flat[:n_total * width].reshape(n_total, width)
-    return self.host_fn(tokens, lengths, rows, n_total)
+    return self.host_fn(tokens, lengths, rows, n_total, extra)
+
+  def _unpack(self, args):
+    """(token pieces, lengths, graph scores or None, rows) of a callback's arguments."""
+    if self.graph is None:
+      *pieces, lengths, rows = args
+      return pieces, lengths, None, rows
+    *pieces, lengths, extra, rows = args
+    return pieces, lengths, np.asarray(extra), rows
 
   # ---- results --------------------------------------------------------------------------------------
 
   def last_batch(self) -> RewardBatch | None:
-    """The RewardBatch of the last callback on this process (None before the first)."""
+    """The RewardBatch of the rows this process scored in the last step (every callback round of
+    it, rows in order; None before the first)."""
     with self._lock:
-      return self._last
+      return summaries.merge_batches(self._parts)[0] if self._parts else None
 
   def last_rows(self) -> np.ndarray | None:
-    """The global row indices this process scored in the last callback."""
+    """The global row indices this process scored in the last step (sorted)."""
     with self._lock:
-      return None if self._last_rows is None else self._last_rows.copy()
+      return summaries.merge_batches(self._parts)[1].copy() if self._parts else None
+
+  def last_rounds(self) -> int:
+    """How many scoring calls the last step took on this process (more than one when its devices
+    reached the callback more than gather_timeout_s apart)."""
+    with self._lock:
+      return len(self._parts)
 
   def last_metrics(self) -> dict[str, float]:
-    """The pool's metrics of the last callback, over the rows this process scored ({} before the first)."""
+    """The pool's metrics of the last step, over every row this process scored in it ({} before the first)."""
     with self._lock:
-      return dict(self._last.metrics) if self._last is not None else {}
+      return dict(summaries.merge_batches(self._parts)[0].metrics) if self._parts else {}
 
   def global_metrics(self) -> dict[str, float]:
     """`last_metrics` combined over every process (a host all-gather: call it on every process).
 
     reward/mean, /std, /min, /max are exact over all rows; counts (verifier/timeouts, ...)
-    are summed; verifier/seconds is the slowest process's; other means are weighted by each
-    process's rows. Adds verifier/items (rows scored, all processes) and
-    verifier/scoring_processes (processes that scored at least one row).
+    are summed; verifier/seconds is the slowest process's; other means are weighted by the rows
+    each process's figure is over (a component's scored rows, a source's rows, else all). Adds
+    verifier/items (rows scored, all processes) and verifier/scoring_processes (processes that
+    scored at least one row). Every callback round of the step counts (rljax/rewards/summaries.py).
     """
     import jax
     with self._lock:
-      mine = _summary(self._last, self._last_rewards)
+      mine = summaries.merge([summaries.summary(b, r) for b, _, r in self._parts])
     if jax.process_count() == 1:
       parts = [mine]
     else:
@@ -359,7 +436,8 @@ class RewardFn:
     return combine_process_metrics(parts)
 
   def last_timing(self) -> dict[str, float] | None:
-    """time.perf_counter() at the start and end of the last callback (first arrival to scores)."""
+    """time.perf_counter() at the start and end of the last step's scoring (first arrival to the
+    last round's scores)."""
     with self._lock:
       return dict(self._timing) if self._timing else None
 
@@ -376,52 +454,9 @@ def _pieces(tokens):
   return [flat[i * per:(i + 1) * per] for i in range(count)]
 
 
-_SUMMED = ("verifier/timeouts", "verifier/errors", "verifier/crashes", "verifier/deadline_misses",
-           "verifier/restarts", "verifier/recycles", "verifier/info_errors", "verifier/import_timeouts",
-           "verifier/failures")
-
-
-def _summary(batch: RewardBatch | None, rewards: np.ndarray | None) -> dict:
-  """What one process contributes to the global metrics (JSON-able): its pool metrics and rewards."""
-  if batch is None or rewards is None:
-    return {"n": 0, "rewards": [], "metrics": {}}
-  r = np.asarray(rewards, np.float64).reshape(-1)
-  return {"n": int(r.size), "rewards": r.tolist(), "metrics": {k: float(v) for k, v in batch.metrics.items()}}
-
-
-def combine_process_metrics(parts: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-  """Global reward metrics from per-process summaries ({"n", "rewards", "metrics"}).
-
-  reward/mean, /std, /min, /max come from every process's rewards with exactly rounded sums
-  (math.fsum), so they do not depend on how the rows were split over processes.
-  """
-  parts = [p for p in parts if p.get("n", 0) > 0]
-  if not parts:
-    return {}
-  n = sum(p["n"] for p in parts)
-  out: dict[str, float] = {}
-  keys = sorted({k for p in parts for k in p["metrics"]})
-  for key in keys:
-    have = [p for p in parts if key in p["metrics"]]
-    values = [p["metrics"][key] for p in have]
-    if key in _SUMMED:
-      out[key] = float(sum(values))
-    elif key == "verifier/seconds":
-      out[key] = float(max(values))
-    elif key == "verifier/items_per_s":
-      seconds = max(p["metrics"].get("verifier/seconds", 0.0) for p in parts)
-      out[key] = n / seconds if seconds > 0 else 0.0
-    else:
-      weight = sum(p["n"] for p in have)
-      out[key] = float(math.fsum(p["n"] * v for p, v in zip(have, values)) / max(weight, 1))
-  out.update(reward_summary(np.concatenate([np.asarray(p["rewards"], np.float64) for p in parts])))
-  out["verifier/items"] = float(n)
-  out["verifier/scoring_processes"] = float(len(parts))
-  return out
-
-
 def make_reward_fn(pool: RewardPool, decode_fn: Callable[[list[list[int]]], Sequence[str]], *,
                    group_size: int = 1, mesh: Any = None,
-                   gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S) -> RewardFn:
-  """The io_callback reward function of `pool` (see the module doc)."""
-  return RewardFn(pool, decode_fn, group_size=group_size, mesh=mesh, gather_timeout_s=gather_timeout_s)
+                   gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S, graph: Any = None) -> RewardFn:
+  """The io_callback reward function of `pool` (see the module doc); `graph`: the spec's reward
+  models and judges (rljax/rewards/reward_models.py GraphScorer)."""
+  return RewardFn(pool, decode_fn, group_size=group_size, mesh=mesh, gather_timeout_s=gather_timeout_s, graph=graph)

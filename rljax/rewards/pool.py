@@ -51,12 +51,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rljax.errors import ConfigError
-from rljax.rewards import sandbox, wire
+from rljax.rewards import routing, sandbox, wire
 from rljax.rewards.base import FLOAT32_MAX, Verifier
-from rljax.rewards.compose import RewardBatch, batch_metrics, combine
-from rljax.rewards.spec import RewardSpec
+from rljax.rewards.compose import RewardBatch, accuracy_components, batch_metrics, combine
 from rljax.rewards.processes import Zygote as _Zygote, ZygoteLost as _ZygoteLost
 from rljax.rewards.schedule import RemoteRun, Task, Worker
+from rljax.rewards.spec import RewardSpec
 from rljax.rewards.worker import call_verifier, describe_exception
 
 log = logging.getLogger("rljax.rewards")
@@ -76,7 +76,8 @@ class RewardPool:
       spec = RewardSpec.from_dict(spec)
     spec.validate()
     self.spec = spec
-    self.verifiers: list[Verifier] = spec.resolve()
+    self.routes: list[routing.Route] = spec.routes()
+    self.verifiers: list[Verifier] = [r.verifier for r in self.routes]   # a task's `comp` indexes both
     self.component_names = spec.component_names
     self._lock = threading.RLock()
     self._owner = os.getpid()
@@ -110,7 +111,7 @@ class RewardPool:
                         f"code on this machine: {iso.note}")
 
   def _remote_components(self) -> list[tuple[Verifier, dict[str, Any]]]:
-    return [(v, dict(c.kwargs)) for v, c in zip(self.verifiers, self.spec.components)]
+    return [(r.verifier, dict(r.kwargs)) for r in self.routes]
 
   def _new_zygote(self) -> _Zygote:
     z = _Zygote(self._remote_components(), self.spec.max_memory_mb)
@@ -219,7 +220,8 @@ class RewardPool:
 
   # ---- scoring -----------------------------------------------------------------------------
   def score(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]], *,
-            num_tokens: Sequence[int] | np.ndarray | None = None, group_size: int = 1, step: int = 0) -> RewardBatch:
+            num_tokens: Sequence[int] | np.ndarray | None = None, group_size: int = 1, step: int = 0,
+            precomputed: Mapping[str, Sequence[float] | np.ndarray] | None = None) -> RewardBatch:
     """Scores N completions.
 
     Args:
@@ -228,6 +230,9 @@ class RewardPool:
       num_tokens: N completion token counts (needed by token-based components such as overlong).
       group_size: G, completions per prompt (group verifiers receive the G of a prompt).
       step: the training step (for weight schedules and step-aware verifiers).
+      precomputed: {name: [N] scores} of the in-graph components (reward models and judges,
+        scored in the compiled step: rljax/rewards/graph.py); one that is absent scores no item
+        (e.g. in an evaluation that runs no model). A non-finite score fails its item (fallback).
     Returns:
       RewardBatch with rewards [N], components {name: [N]}, metrics and error messages.
     """
@@ -249,27 +254,39 @@ class RewardPool:
     tokens = None if num_tokens is None else [int(t) for t in np.asarray(num_tokens).reshape(-1)]
     if tokens is not None and len(tokens) != n:
       raise ValueError(f"num_tokens has {len(tokens)} entries for {n} completions.")
-    for c, v in zip(self.spec.components, self.verifiers):
-      if v.wants_num_tokens and tokens is None:
-        raise ValueError(f"component '{c.name}' (verifier '{v.name}') needs completion token counts: "
-                         "pass num_tokens= to score().")
+    for r in self.routes:
+      if r.verifier.wants_num_tokens and tokens is None:
+        raise ValueError(f"component '{self.spec.components[r.component].name}' (verifier '{r.verifier.name}') "
+                         "needs completion token counts: pass num_tokens= to score().")
+    graph_scores = {}
+    for name, values in (precomputed or {}).items():
+      if name not in self.component_names or not self.spec.components[self.component_names.index(name)].in_graph:
+        raise ValueError(f"precomputed scores for {name!r}, which is not a reward model or judge component of the "
+                         f"spec ({[c.name for c in self.spec.graph_components]}).")
+      values = np.asarray(values, np.float64).reshape(-1)
+      if values.shape[0] != n:
+        raise ValueError(f"precomputed scores for {name!r} have {values.shape[0]} entries for {n} completions.")
+      graph_scores[name] = values
     with self._lock:
-      return self._score(completions, examples, tokens, group_size, int(step))
+      return self._score(completions, examples, tokens, group_size, int(step), graph_scores)
 
-  def _score(self, completions, examples, tokens, group_size, step) -> RewardBatch:
+  def _score(self, completions, examples, tokens, group_size, step, graph_scores=None) -> RewardBatch:
     start = time.monotonic()
     spec = self.spec
-    k, n = len(self.verifiers), len(completions)
+    k, n = len(spec.components), len(completions)
     scores = np.zeros((k, n), np.float64)
     failed = np.zeros((k, n), bool)
+    applies = np.zeros((k, n), bool)
     infos: list[list[dict | None]] = [[None] * n for _ in range(k)]
     counts: collections.Counter = collections.Counter()
     errors: list[str] = []
+    labels = routing.row_labels(examples)
+    component_of = lambda task: self.routes[task.comp].component   # noqa: E731 - a task's comp is its route
 
     def note(task: Task, kind: str, message: str) -> None:
       """Counts and logs a problem of a task that does not fail it."""
       counts[kind] += 1
-      msg = f"[{spec.components[task.comp].name}] {message}"
+      msg = f"[{spec.components[component_of(task)].name}] {message}"
       if len(errors) < _MAX_BATCH_ERRORS:
         errors.append(msg)
       if self._logged < spec.max_logged_errors:
@@ -277,21 +294,38 @@ class RewardPool:
         log.warning("reward verifier (item %d): %s", task.items[0], msg)
 
     def record(task: Task, results=None, error: str | None = None, kind: str = "errors") -> None:
+      ci = component_of(task)
       if error is None and results is not None:
         error = _bad_results(results, len(task.items))
       if error is None and results is not None:
+        fb = spec.components[ci].fallback
+        fb = spec.fallback if fb is None else fb
+        lost = []
         for i, (s, info) in zip(task.items, results):
-          scores[task.comp, i] = s
-          infos[task.comp][i] = info
+          if s is None:   # an item the verifier could not score (base.ItemFailure)
+            lost.append(i)
+            scores[ci, i], failed[ci, i] = fb, True
+            infos[ci][i] = {"failure": "error", "message": str((info or {}).get("error"))}
+          else:
+            scores[ci, i] = s
+            infos[ci][i] = info
+        if lost:
+          counts["errors"] += len(lost)
+          msg = f"[{spec.components[ci].name}] error on {len(lost)} item(s): {infos[ci][lost[0]]['message']}"
+          if len(errors) < _MAX_BATCH_ERRORS:
+            errors.append(msg)
+          if self._logged < spec.max_logged_errors:
+            self._logged += 1
+            log.warning("reward verifier failure (item %d): %s", lost[0], msg)
         return
-      fb = spec.components[task.comp].fallback
+      fb = spec.components[ci].fallback
       fb = spec.fallback if fb is None else fb
       for i in task.items:
-        scores[task.comp, i] = fb
-        failed[task.comp, i] = True
-        infos[task.comp][i] = {"failure": _LABELS[kind], "message": str(error)}
+        scores[ci, i] = fb
+        failed[ci, i] = True
+        infos[ci][i] = {"failure": _LABELS[kind], "message": str(error)}
       counts[kind] += len(task.items)
-      msg = f"[{spec.components[task.comp].name}] {_LABELS[kind]}: {error}"
+      msg = f"[{spec.components[ci].name}] {_LABELS[kind]}: {error}"
       if len(errors) < _MAX_BATCH_ERRORS:
         errors.append(msg)
       if self._logged < spec.max_logged_errors:
@@ -306,26 +340,48 @@ class RewardPool:
         log.error("cannot start a verifier zygote: %s", e)
     tasks: list[Task] = []
     local: list[Task] = []
-    for ci, v in enumerate(self.verifiers):
-      if v.kind == "item":
-        groups = [[i] for i in range(n)]
-      elif v.kind == "group":
-        groups = [list(range(p, p + group_size)) for p in range(0, n, group_size)]
+    for ri, r in enumerate(self.routes):
+      mine = routing.route_rows(labels, r.labels, spec.components[r.component].name)
+      applies[r.component] |= mine
+      rows = np.nonzero(mine)[0].tolist()
+      if r.verifier.kind == "item":
+        groups = [[i] for i in rows]
+      elif r.verifier.kind == "group":   # the rows of one prompt share its example, so its source
+        groups = [g for p in range(0, n, group_size) if (g := [i for i in range(p, p + group_size) if mine[i]])]
       else:
-        groups = [list(range(n))] if n else []
+        groups = [rows] if rows else []
       for items in groups:
-        t = Task(self._next_tid, ci, items, spec.timeout_s * len(items))
+        t = Task(self._next_tid, ri, items, spec.timeout_s * len(items))
         self._next_tid += 1
-        (local if (v.inline or not self._remote_needed) else tasks).append(t)
+        (local if (r.verifier.inline or not self._remote_needed) else tasks).append(t)
 
+    for k, c in enumerate(spec.components):
+      if c.in_graph and c.name in (graph_scores or {}):
+        mine = routing.route_rows(labels, routing.coverage(c), c.name)
+        applies[k] = mine
+        values = graph_scores[c.name]
+        bad = mine & ~(np.isfinite(values) & (np.abs(values) <= FLOAT32_MAX))
+        scores[k] = np.where(mine & ~bad, values, 0.0)
+        if bad.any():
+          fb = spec.fallback if c.fallback is None else c.fallback
+          scores[k, bad] = fb
+          failed[k] = bad
+          counts["errors"] += int(bad.sum())
+          msg = f"[{c.name}] error: the model's score is not finite on {int(bad.sum())} item(s)"
+          if len(errors) < _MAX_BATCH_ERRORS:
+            errors.append(msg)
+          for i in np.nonzero(bad)[0]:
+            infos[k][i] = {"failure": "error", "message": msg}
     for t in local:
       self._run_local(t, completions, examples, tokens, step, record, note)
     if tasks:
       RemoteRun(self, tasks, lambda t: self._payload(t, completions, examples, tokens, step), record, note, counts,
                 start + spec.batch_deadline_s).run()
 
-    rewards, passed = combine(spec, scores, failed, step)
-    metrics = batch_metrics(spec, rewards, scores, passed, infos, step)
+    rewards, passed = combine(spec, scores, failed, step, applies)
+    metric_rows: dict[str, int] = {}
+    metrics = batch_metrics(spec, rewards, scores, passed, infos, step, applies,
+                            labels if any(label is not None for label in labels) else None, metric_rows)
     elapsed = time.monotonic() - start
     for key in COUNTERS:
       metrics[f"verifier/{key}"] = float(counts[key])
@@ -333,14 +389,18 @@ class RewardPool:
     metrics["verifier/failures"] = float(failed.sum())
     metrics["verifier/seconds"] = elapsed
     metrics["verifier/items_per_s"] = n / elapsed if elapsed > 0 else 0.0
-    acc = spec.accuracy_index()
-    answers = [(info or {}).get("answer") if isinstance((info or {}).get("answer"), str) else None
-               for info in infos[acc]]
+    acc = accuracy_components(spec, applies)
+    answers = [None] * n
+    for i, a in enumerate(acc.tolist()):
+      answer = (infos[a][i] or {}).get("answer") if a >= 0 else None
+      answers[i] = answer if isinstance(answer, str) else None
     return RewardBatch(rewards=rewards,
                        components={c.name: scores[i].astype(np.float32) for i, c in enumerate(spec.components)},
                        metrics=metrics, errors=errors, answers=answers,
                        failed={c.name: failed[i].copy() for i, c in enumerate(spec.components)},
-                       infos={c.name: infos[i] for i, c in enumerate(spec.components)})
+                       infos={c.name: infos[i] for i, c in enumerate(spec.components)},
+                       applies={c.name: applies[i].copy() for i, c in enumerate(spec.components)},
+                       metric_rows=metric_rows)
 
   def _payload(self, t: Task, completions, examples, tokens, step) -> tuple:
     return (t.tid, t.comp, [completions[i] for i in t.items], [examples[i] for i in t.items],
@@ -349,7 +409,7 @@ class RewardPool:
   def _run_local(self, t: Task, completions, examples, tokens, step, record, note) -> None:
     _, comp, cs, exs, toks, _ = self._payload(t, completions, examples, tokens, step)
     try:
-      results = call_verifier(self.verifiers[comp], dict(self.spec.components[comp].kwargs), cs, exs, toks, step)
+      results = call_verifier(self.verifiers[comp], dict(self.routes[comp].kwargs), cs, exs, toks, step)
     except Exception as e:  # noqa: BLE001
       record(t, error=describe_exception(e))
       return
@@ -370,6 +430,8 @@ def _bad_results(results: Any, n: int) -> str | None:
   if not isinstance(results, list) or len(results) != n:
     return f"malformed reply: expected {n} results"
   for r in results:
+    if isinstance(r, tuple) and len(r) == 2 and r[0] is None and isinstance(r[1], dict):
+      continue   # an ItemFailure
     if not (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], float) and
             (r[1] is None or isinstance(r[1], dict))):
       return "malformed reply: expected (score, info) pairs"

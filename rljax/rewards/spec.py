@@ -20,7 +20,7 @@ import math
 from typing import Any, Callable, Mapping, Sequence
 
 from rljax.errors import ConfigError
-from rljax.rewards.base import Verifier, get_verifier
+from rljax.rewards import graph, routing
 
 WeightLike = float | int | Mapping[str, Any] | Callable[[int], float]
 SANDBOX_DEFAULTS = {"require_isolation": False}
@@ -102,15 +102,32 @@ class ComponentSpec:
     fallback: the score when the verifier times out, raises or crashes (default: the
       spec's fallback).
     accuracy: marks the component whose pass rate is reported as reward/accuracy
-      (default: the first component).
+      (default: the first component that scores the row's source).
+    sources: the data source labels whose rows this component scores (None: every source);
+      other rows are not applicable to it (rljax/rewards/routing.py).
+    model: the path of a Hugging Face *ForSequenceClassification checkpoint: a reward model
+      scored in the compiled step (rljax/rewards/graph.py); instead of `verifier`.
+    judge: the path of a causal LM checkpoint: a generative judge scored in the compiled step
+      (its probability of the `yes` tokens after `template`); instead of `verifier`.
+    template: a judge's question (a format string with {completion}, and {prompt}, {answer} or
+      other example fields), or a reward model's user message (default: the example's messages).
   """
   name: str
-  verifier: Any
+  verifier: Any = None
   weight: WeightLike = 1.0
   gate: str | None = None
   kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   fallback: float | None = None
   accuracy: bool = False
+  sources: list[str] | None = None
+  model: str | None = None
+  judge: str | None = None
+  template: str | None = None
+
+  @property
+  def in_graph(self) -> bool:
+    """Scored in the compiled step (a reward model or a judge), not by the verifier pool."""
+    return self.model is not None or self.judge is not None
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any], index: int = 0) -> ComponentSpec:
@@ -121,11 +138,15 @@ class ComponentSpec:
     unknown = set(d) - known
     if unknown:
       raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known fields are {sorted(known)}.")
-    for key in ("name", "verifier"):
-      if key not in d:
-        raise ConfigError(f"{where} is missing '{key}'.")
+    if "name" not in d:
+      raise ConfigError(f"{where} is missing 'name'.")
+    if all(d.get(key) is None for key in ("verifier", "model", "judge")):
+      raise ConfigError(f"{where} is missing 'verifier' (or 'model': a reward model, or 'judge': a generative "
+                        "judge).")
     d = dict(d)
     d["kwargs"] = dict(d.get("kwargs") or {})
+    if isinstance(d.get("sources"), (tuple, list)):
+      d["sources"] = list(d["sources"])
     return cls(**d)
 
 
@@ -146,6 +167,9 @@ class RewardSpec:
     sandbox: options of the code sandbox (rljax/rewards/sandbox.py): require_isolation=True
       makes a pool whose verifiers run model code refuse to start where the sandbox cannot
       isolate it (no namespaces and no root); by default it only warns, once, loudly.
+    source_verifiers: {source label: verifier} of the run's data sources, in order (from
+      data.sources[i].verifier; not a rewards config field): what `by_source` components call and
+      what the routing checks read (rljax/rewards/routing.py). Empty: no routing information.
   """
   components: list[Any] = dataclasses.field(default_factory=list)
   timeout_s: float = 5.0
@@ -155,6 +179,7 @@ class RewardSpec:
   max_memory_mb: int = 2048
   max_logged_errors: int = 10
   sandbox: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(SANDBOX_DEFAULTS))
+  source_verifiers: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if isinstance(self.components, Mapping) or not isinstance(self.components, Sequence):
@@ -166,17 +191,21 @@ class RewardSpec:
       self.sandbox = {}
     if isinstance(self.sandbox, Mapping):
       self.sandbox = {**SANDBOX_DEFAULTS, **self.sandbox}
+    self.source_verifiers = dict(self.source_verifiers or {})
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> RewardSpec:
-    """Builds and validates a spec from a plain dict (e.g. ConfigDict.to_dict())."""
+  def from_dict(cls, d: Mapping[str, Any], source_verifiers: Mapping[str, Any] | None = None) -> RewardSpec:
+    """Builds and validates a spec from a plain dict (e.g. ConfigDict.to_dict()).
+
+    source_verifiers: {label: verifier} of the data sources (`routing.source_verifiers_from_data`).
+    """
     if not isinstance(d, Mapping):
       raise ConfigError(f"rewards config must be a dict, got {type(d).__name__}.")
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls)} - {"source_verifiers"}
     unknown = set(d) - known
     if unknown:
       raise ConfigError(f"rewards: unknown field(s) {sorted(unknown)}; known fields are {sorted(known)}.")
-    spec = cls(**dict(d))
+    spec = cls(**dict(d), source_verifiers=dict(source_verifiers or {}))
     spec.validate()
     return spec
 
@@ -189,19 +218,19 @@ class RewardSpec:
   def component_names(self) -> list[str]:
     return [c.name for c in self.components]
 
+  @property
+  def graph_components(self) -> list[ComponentSpec]:
+    """The components scored in the compiled step (reward models and judges), in spec order."""
+    return [c for c in self.components if c.in_graph]
+
   def accuracy_index(self) -> int:
     flagged = [i for i, c in enumerate(self.components) if c.accuracy]
     return flagged[0] if flagged else 0
 
-  def resolve(self) -> list[Verifier]:
-    """The verifier of each component (raises ConfigError for an unknown one)."""
-    out = []
-    for i, c in enumerate(self.components):
-      try:
-        out.append(get_verifier(c.verifier))
-      except ConfigError as e:
-        raise ConfigError(f"rewards.components[{i}] ('{c.name}'): {e}") from None
-    return out
+  def routes(self) -> list[routing.Route]:
+    """The verifiers the components call and the rows each scores (rljax/rewards/routing.py);
+    raises ConfigError for an unknown verifier."""
+    return routing.routes(self)
 
   def validate(self) -> None:
     """Checks every field; raises ConfigError naming the field and the fix."""
@@ -245,18 +274,30 @@ class RewardSpec:
         raise ConfigError(f"{where}.fallback must be a number or None, got {c.fallback!r}.")
       if not isinstance(c.kwargs, Mapping):
         raise ConfigError(f"{where}.kwargs must be a dict, got {type(c.kwargs).__name__}.")
+      if c.in_graph:
+        graph.check_component(c, f"{where} ('{c.name}')")
+      elif c.template is not None:
+        raise ConfigError(f"{where} ('{c.name}').template is for reward models and judges (model= or judge=); a "
+                          "verifier takes its options in kwargs.")
     self.gate_order()
     if sum(bool(c.accuracy) for c in self.components) > 1:
       raise ConfigError("rewards.components: more than one component has accuracy=True; flag at most one.")
-    for i, (c, v) in enumerate(zip(self.components, self.resolve())):
-      v.check_kwargs(c.kwargs, f"rewards.components[{i}] ('{c.name}').kwargs")
-      v.check_signature(c.kwargs, f"rewards.components[{i}] ('{c.name}')")
+    routing.check_spec(self)
+    for r in self.routes():
+      c = self.components[r.component]
+      where = f"rewards.components[{r.component}] ('{c.name}')"
+      if c.verifier == routing.BY_SOURCE:
+        where += f" (verifier {r.verifier.name!r} of sources {sorted(r.labels)})"
+      v = r.verifier
+      v.check_kwargs(c.kwargs, f"{where}.kwargs")
+      v.check_signature(c.kwargs, where)
       check = getattr(v.fn, "check_config", None)
       if callable(check):
         try:
           check(**c.kwargs)
         except (TypeError, ValueError) as e:
-          raise ConfigError(f"rewards.components[{i}] ('{c.name}').kwargs: {e}") from None
+          raise ConfigError(f"{where}.kwargs: {e}") from None
+    routing.check_sources_scored(self)
 
   def gate_order(self) -> list[int]:
     """Component indices with every gate before the components it gates (ConfigError on a cycle)."""

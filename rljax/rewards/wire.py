@@ -9,7 +9,7 @@ past its deadline.
 Frame: the payload's length (8 bytes, big-endian), then the payload.
 
 Replies (worker -> pool), one per task, in order:
-  {"t": task_id, "r": [[score, info or null], ...]}     scored
+  {"t": task_id, "r": [[score, info or null], ...]}     scored (score null, info {"error": ...}: an ItemFailure)
   {"t": task_id, "e": "message"}                        the verifier failed
   optional keys: "x": why the worker must be replaced after this task (it changed its process
   state, see procstate.py); "d": ["info['k'] is a function, not plain data", ...] (values dropped)
@@ -176,7 +176,7 @@ def encode_reply(task_id: int, results: list[tuple[float, dict | None]] | None =
       if info is not None:
         info = plain(info, "info", dropped)
         info = None if info is _DROP else info
-      rows.append([float(score), info])
+      rows.append([None if score is None else float(score), info])   # None: an ItemFailure
     msg["r"] = rows
   if recycle:
     msg["x"] = recycle
@@ -255,6 +255,10 @@ def reply_results(msg: dict, n: int) -> tuple[list[tuple[float, dict | None]] | 
     return None, f"malformed reply: expected {n} results"
   out = []
   for row in rows:
+    if isinstance(row, list) and len(row) == 2 and row[0] is None and isinstance(row[1], dict) and \
+        isinstance(row[1].get("error"), str):
+      out.append((None, row[1]))     # an item the verifier could not score (base.ItemFailure)
+      continue
     if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], (int, float))
             and not isinstance(row[0], bool) and (row[1] is None or isinstance(row[1], dict))):
       return None, "malformed reply: expected (score, info) pairs"

@@ -44,8 +44,17 @@ import traceback
 from typing import Any
 
 from rljax.rewards import wire
-from rljax.rewards.worker import (CONTAINMENT_ENV, SWEEP_S, descendants, describe_exception, map_user, prctl,
-                                  proc_table, unshare, worker_main)
+from rljax.rewards.worker import (
+  CONTAINMENT_ENV,
+  SWEEP_S,
+  descendants,
+  describe_exception,
+  map_user,
+  prctl,
+  proc_table,
+  unshare,
+  worker_main,
+)
 
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 _CLONE_NEWUSER, _CLONE_NEWPID = 0x10000000, 0x20000000

@@ -6,6 +6,7 @@ Modules:
   draw       `SamplingParams` and the token draw (`sample_logits`: temperature, top-k/p, min-p)
   decode     the decode state, the one token choice every loop makes, the model over typed caches
   sampler    the single-turn sampler (`sample`) and its producer
+  slots      continuous batching in the sampler: decode slots refilled inside the loop
   generation `rljax.generate`: the sampler for a `Policy`, prompts checked and padded on the host
   segments   decoding in pieces: pause rows, feed them tokens, resume them from their caches
   tools      multi-turn tool use over segments, and its producer

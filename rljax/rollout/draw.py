@@ -7,6 +7,8 @@ Shapes: B rows, V vocab.
   distribution log_softmax(logits / tau) that are recorded (docs/sampling.md). Every decode loop
   draws through it (`rljax.rollout.decode.choose`), so a row's tokens and log-probs depend on its
   logits and the step's key, not on the loop.
+- `row_gumbel`: the Gumbel noise a batch draw gives one row, computed for that row alone, so a
+  row's draw can be made wherever (in whichever slot, at whichever step) the row is decoded.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.random import threefry2x32_p
 
 from rljax.errors import ConfigError
 
@@ -47,6 +50,9 @@ class SamplingParams:
   min_p: drop tokens whose probability is below min_p times the most likely one's (0 = off).
   greedy: take the argmax; temperature then only sets the recorded distribution.
   stop_token_ids: extra ids that end a completion, on top of the model's EOS ids.
+  slots: decode slots of the single-turn sampler (continuous batching, docs/sampling.md): 0, or
+    at least the batch's rows, decodes every row at once; fewer decode that many rows at a time,
+    a finished row's slot starting the next pending one. The samples do not depend on it.
 
   Truncations apply in the order temperature, top-k, top-p, min-p (as in transformers).
   """
@@ -58,6 +64,7 @@ class SamplingParams:
   min_p: float = 0.0
   greedy: bool = False
   stop_token_ids: tuple[int, ...] = ()
+  slots: int = 0
 
   def __post_init__(self):
     ids = self.stop_token_ids
@@ -87,6 +94,8 @@ class SamplingParams:
     ids = self.stop_token_ids
     if not isinstance(ids, tuple) or not all(is_int(i) and i >= 0 for i in ids):
       raise ConfigError(f"SamplingParams.stop_token_ids={ids!r} must be a tuple of non-negative token ids.")
+    if not is_int(self.slots) or self.slots < 0:
+      raise ConfigError(f"SamplingParams.slots={self.slots!r} must be an integer >= 0 (0 = one slot per row).")
     return self
 
   @property
@@ -107,13 +116,16 @@ def is_int(v) -> bool:
 # ---- token draw ------------------------------------------------------------------------------
 
 
-def sample_logits(logits: jax.Array, sp: SamplingParams, key: jax.Array):
+def sample_logits(logits: jax.Array, sp: SamplingParams, key: jax.Array, rows: jax.Array | None = None):
   """Chooses one token per row and records its log-prob and the entropy.
 
-  logits: [B, V] float32. Returns tokens [B] int32, logprobs [B] f32 and entropy [B] f32 of the
-  un-truncated distribution log_softmax(logits / sp.logprob_temperature). Only the draw is
-  restricted by top-k / top-p / min-p. The draw is Gumbel-max in two levels (`_gumbel_draw`): a
-  block of the vocabulary by its kept mass, then a token in it, each the argmax of log-weights
+  logits: [B, V] float32. key: the step's PRNG key; or, with `rows` [B] int32, one key per row
+  [B]: logits row b then draws exactly what row rows[b] of a batch draw with key[b] would (its
+  noise is `row_gumbel`'s), wherever it sits in this batch. Returns tokens [B] int32, logprobs
+  [B] f32 and entropy [B] f32 of the un-truncated distribution log_softmax(logits /
+  sp.logprob_temperature). Only the draw is restricted by top-k / top-p / min-p. The draw is
+  Gumbel-max in two levels (`_gumbel_draw`): a block of the vocabulary by its kept mass, then a
+  token in it, each the argmax of log-weights
   plus Gumbel(0, 1) noise from `key` (threefry is partitionable, so the noise, and the token, do
   not depend on how the batch is sharded). Unlike an inverse-CDF draw, whose boundaries sit 1/V
   apart on a flat distribution, an argmax changes under last-bit logit differences (another
@@ -138,13 +150,14 @@ def sample_logits(logits: jax.Array, sp: SamplingParams, key: jax.Array):
       shifted_kept, weights = jnp.where(keep, shifted, -jnp.inf), jnp.where(keep, weights, 0.0)
     else:
       shifted_kept = shifted
-    tokens = _gumbel_draw(shifted_kept, weights, key)
+    tokens = _gumbel_draw(shifted_kept, weights, key, rows)
   chosen = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0]
   return tokens, chosen - log_z, entropy
 
 
-def _gumbel_draw(log_weights, weights, key):
+def _gumbel_draw(log_weights, weights, key, rows=None):
   """[B] token ids drawn with probability proportional to `weights` [B, V] (= exp(log_weights)).
+  key: one key, or per-row keys [B] with `rows` (see `sample_logits`).
 
   Two Gumbel-max draws: a block of _DRAW_BLOCK tokens by its total weight, then a token inside
   it. That is exactly the categorical distribution (P(block) * P(token | block) = w / sum w) with
@@ -153,17 +166,51 @@ def _gumbel_draw(log_weights, weights, key):
   """
   b, v = log_weights.shape
   block = _DRAW_BLOCK
-  k_block, k_token = jax.random.split(key)
+  if rows is None:
+    k_block, k_token = jax.random.split(key)
+    noise = lambda k, n: jax.random.gumbel(k, (b, n), jnp.float32)
+  else:
+    k_block, k_token = jnp.moveaxis(jax.vmap(jax.random.split)(key), 1, 0)
+    noise = lambda k, n: row_gumbel(k, rows, n)
   if v <= 2 * block:
-    return jnp.argmax(log_weights + jax.random.gumbel(k_token, (b, v), jnp.float32), axis=-1).astype(jnp.int32)
+    return jnp.argmax(log_weights + noise(k_token, v), axis=-1).astype(jnp.int32)
   nb = -(-v // block)
   pad = ((0, 0), (0, nb * block - v))
   log_weights = jnp.pad(log_weights, pad, constant_values=-jnp.inf).reshape(b, nb, block)
   mass = jnp.pad(weights, pad).reshape(b, nb, block).sum(-1)                 # [B, nb]
-  j = jnp.argmax(jnp.log(mass) + jax.random.gumbel(k_block, (b, nb), jnp.float32), axis=-1)
+  j = jnp.argmax(jnp.log(mass) + noise(k_block, nb), axis=-1)
   inner = jnp.take_along_axis(log_weights, j[:, None, None], axis=1)[:, 0]   # [B, block]
-  i = jnp.argmax(inner + jax.random.gumbel(k_token, (b, block), jnp.float32), axis=-1)
+  i = jnp.argmax(inner + noise(k_token, block), axis=-1)
   return (j * block + i).astype(jnp.int32)
+
+
+def row_gumbel(keys: jax.Array, rows: jax.Array, n: int) -> jax.Array:
+  """[B, n] float32: row b is row rows[b] of `jax.random.gumbel(keys[b], (R, n), jnp.float32)`,
+  bit for bit, for any R > rows[b], computed without the other rows.
+
+  keys: [B] threefry PRNG keys; rows: [B] int32. JAX's partitionable threefry (the default since
+  0.5) makes element (r, j) of a random array the hash of the key and its flat index r * n + j;
+  this evaluates that hash at row rows[b]'s indices and maps the bits to Gumbel noise the way
+  `jax.random.gumbel` does ('low' mode: -log(-log(u)), u uniform in [tiny, 1)).
+  tests/test_slots.py checks the equality, so a JAX release that changes either step fails there.
+  """
+  if not jax.config.jax_threefry_partitionable or jax.config.jax_high_dynamic_range_gumbel:
+    raise ConfigError("per-row draws (SamplingParams.slots below the rows) need JAX's defaults "
+                      "jax_threefry_partitionable=True and jax_high_dynamic_range_gumbel=False.")
+  if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
+    if "threefry" not in str(jax.random.key_impl(keys)):
+      raise ConfigError(f"per-row draws need threefry PRNG keys, got {jax.random.key_impl(keys)}.")
+    keys = jax.random.key_data(keys)
+  keys = keys.astype(jnp.uint32)                                            # [B, 2]
+  lo = rows.astype(jnp.uint32)[:, None] * jnp.uint32(n) + jnp.arange(n, dtype=jnp.uint32)[None, :]
+  # Flat indices beyond 2**32 would need the high word; a batch of 2**32 / n rows is far off.
+  bits1, bits2 = threefry2x32_p.bind(jnp.broadcast_to(keys[:, :1], lo.shape), jnp.broadcast_to(keys[:, 1:], lo.shape),
+                                     jnp.zeros_like(lo), lo)
+  bits = bits1 ^ bits2
+  one = np.array(1.0, np.float32).view(np.uint32)
+  floats = jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(one), jnp.float32) - jnp.float32(1.0)
+  tiny = jnp.float32(np.finfo(np.float32).tiny)
+  return -jnp.log(-jnp.log(jnp.maximum(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)))
 
 
 def _truncation_threshold(scaled, shifted, log_z, sp: SamplingParams):

@@ -101,7 +101,10 @@ def _host_prompts(prompt_ids, prompt_mask, pad_id):
   if ids.size and not np.issubdtype(ids.dtype, np.integer):
     raise ConfigError(f"prompt_ids has dtype {ids.dtype}; pass integer token ids.")
   ids = ids.astype(np.int64)
-  mask = np.ones(ids.shape, bool) if prompt_mask is None else np.asarray(prompt_mask).astype(bool).reshape(ids.shape[0], -1)
+  if prompt_mask is None:
+    mask = np.ones(ids.shape, bool)
+  else:
+    mask = np.asarray(prompt_mask).astype(bool).reshape(ids.shape[0], -1)
   if mask.shape != ids.shape:
     raise ConfigError(f"prompt_mask has shape {mask.shape} but prompt_ids has {ids.shape}.")
   return ids, mask

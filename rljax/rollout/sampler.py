@@ -51,8 +51,10 @@ from rljax.errors import ConfigError
 from rljax.models.cache import DecodeCache, PrefixCache
 from rljax.models.config import ModelConfig
 from rljax.models.policy import param_logical_axes
+from rljax.rollout import slots
 from rljax.rollout.decode import CachedModel, DecodeState, choose, pad_token_id
 from rljax.rollout.draw import SamplingParams
+from rljax.rollout.slots import batch_blocks, check_blocks, decode_slots
 from rljax.rollout.types import Rollout, RolloutInfo
 
 # The completion cache grows in up to this many stages of at least _MIN_STAGE tokens each.
@@ -72,6 +74,9 @@ class SampleOutput:
   logprobs: [B, T] float32, log-prob of each token under log_softmax(logits / tau) (0 where masked).
   entropy: [B, T] float32, entropy of that distribution (0 where masked).
   prompt_ids, prompt_mask: [B, Lp] the prompts, repeated G times.
+  decode_step: [B] int32, the decode step (1-based loop iteration) that chose the row's last
+    token; 0 for rows done at their first token (drawn from the prefill). Its max is the steps
+    the decode loop ran.
   num_samples: G (static).
 
   `grouped()` returns the same fields reshaped to [P, G, ...].
@@ -84,6 +89,7 @@ class SampleOutput:
   entropy: jax.Array
   prompt_ids: jax.Array
   prompt_mask: jax.Array
+  decode_step: jax.Array
   num_samples: int = struct.field(pytree_node=False, default=1)
 
   @property
@@ -99,7 +105,7 @@ class SampleOutput:
     """The samples as the learner's `Rollout` (every completion token is the model's)."""
     return Rollout.single_turn(prompt_ids=self.prompt_ids, prompt_mask=self.prompt_mask, tokens=self.tokens,
                                mask=self.mask, logprobs=self.logprobs, entropy=self.entropy, lengths=self.lengths,
-                               truncated=self.truncated, group_size=self.num_samples)
+                               truncated=self.truncated, group_size=self.num_samples, decode_step=self.decode_step)
 
 
 def check_lengths(config: ModelConfig, sp: SamplingParams, prompt_len: int) -> None:
@@ -166,11 +172,9 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   cache, logits = model.prefill(prompt_ids, prompt_mask, width, constrain)
   prefix = PrefixCache.from_kv(cache).constrain(constrain)
 
-  # 2. Fan out the first-token logits to G rows per prompt; each row gets its own completion
-  # cache (one array per layer), sized to the first cache stage.
+  # 2. Fan out the first-token logits to G rows per prompt and choose every row's first token.
   fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis, total_repeat_length=x.shape[axis] * g)
   ends = stage_ends(t_new)
-  rows_cache = DecodeCache.init(config, b, ends[0]).constrain(constrain)
   logits = rows(fan(logits))
   prompt_len = fan(prompt_len)
   active = rows(prompt_len > 0)
@@ -183,9 +187,31 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   state = jax.tree.map(rows, DecodeState.empty(b, t_new, pad_id, done=~active))
   state, tok = choose_column(state, logits, 0)
 
-  # 3. Decode: one token per iteration, until every row is done. The completion cache grows in
-  # stages, so a step attends over the slots written so far (rounded up to its stage), not all T.
-  # Token t is written at slot t - 1: the cache's index follows t.
+  n_slots = decode_slots(sp, b)
+  if n_slots < b:   # 3'. continuous batching: n_slots rows at a time (rljax/rollout/slots.py)
+    blocks = batch_blocks(mesh, b, rules)
+    check_blocks(n_slots, p, b, blocks)
+    state, decode_step = slots.decode(model, state, prefix, prompt_len, rng, sp, stop_ids, pad_id, n_slots, blocks,
+                                      ends, constrain)
+    lengths = jnp.sum(state.mask, axis=-1, dtype=jnp.int32)
+  else:
+    state, lengths = _decode_rows(model, state, tok, prefix, prompt_len, choose_column, ends, b, constrain)
+    decode_step = jnp.maximum(lengths - 1, 0)
+  return SampleOutput(
+      tokens=state.tokens, mask=state.mask, lengths=lengths, truncated=(lengths == t_new) & ~state.stopped,
+      logprobs=state.logprobs, entropy=state.entropy, prompt_ids=rows(fan(prompt_ids)),
+      prompt_mask=rows(fan(prompt_mask)), decode_step=decode_step, num_samples=g)
+
+
+def _decode_rows(model: CachedModel, state: DecodeState, tok, prefix: PrefixCache, prompt_len, choose_column, ends,
+                 b: int, constrain):
+  """3. Decode every row at once: one token per iteration for all B rows, until every row is done.
+  The completion cache (one per row) grows in stages, so a step attends over the slots written so
+  far (rounded up to its stage), not all T. Token t is written at slot t - 1: the cache's index
+  follows t. Returns the state and the rows' lengths [B]."""
+  rows_cache = DecodeCache.init(model.config, b, ends[0]).constrain(constrain)
+  rows = lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
   def cond(carry):
     t, _, _, state = carry
     return (t < end) & ~jnp.all(state.done)
@@ -203,11 +229,7 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
       carry = (t, tok, cache.grow(end - ends[k - 1]).constrain(constrain), state)
     carry = jax.lax.while_loop(cond, body, carry)
   state = carry[-1]
-  lengths = jnp.sum(state.mask, axis=-1, dtype=jnp.int32)
-  return SampleOutput(
-      tokens=state.tokens, mask=state.mask, lengths=lengths, truncated=(lengths == t_new) & ~state.stopped,
-      logprobs=state.logprobs, entropy=state.entropy, prompt_ids=rows(fan(prompt_ids)),
-      prompt_mask=rows(fan(prompt_mask)), num_samples=g)
+  return state, jnp.sum(state.mask, axis=-1, dtype=jnp.int32)
 
 
 def stage_ends(t_new: int) -> tuple[int, ...]:
@@ -216,6 +238,21 @@ def stage_ends(t_new: int) -> tuple[int, ...]:
   `end` slots (token t is written at slot t - 1)."""
   n = max(1, min(_STAGES, t_new // _MIN_STAGE))
   return tuple(-(-t_new * (k + 1) // n) for k in range(n))
+
+
+def sampler_metrics(rollout: Rollout, sp: SamplingParams) -> dict[str, jax.Array]:
+  """The decode loop's figures, from a rollout of the sampler (`rollout.decode_step` set).
+
+  sampler/decode_steps: the steps the decode loop ran (each computes every decode slot).
+  sampler/slot_utilisation: tokens the loop chose (every token after a row's first, which comes
+    from the prefill) / (decode slots x decode steps): the share of the decode compute that made
+    a real token. 1 when no slot ever idles; with one slot per row, the mean completion length
+    over the longest (roughly).
+  """
+  steps = jnp.max(rollout.decode_step).astype(jnp.float32)
+  decoded = jnp.sum(jnp.maximum(rollout.lengths - 1, 0)).astype(jnp.float32)
+  slot_steps = decode_slots(sp, rollout.num_rows) * steps
+  return {"sampler/decode_steps": steps, "sampler/slot_utilisation": decoded / jnp.maximum(slot_steps, 1.0)}
 
 
 # ---- the trainer's single-turn producer ---------------------------------------------------------
@@ -227,8 +264,13 @@ def make_generate_fn(spec, mesh: jax.sharding.Mesh | None = None, *, decode_budg
 
   Traced with `mesh` and the logical-axis rules in scope, so every per-row array and the KV cache
   are split by rows over (data, fsdp). decode_budget_bytes: see `decode_params` (None: half the
-  device's memory, as it reports it).
+  device's memory, as it reports it). Raises ConfigError when `spec.sampling.slots` does not split
+  over the mesh's batch shards like the rows.
   """
+  prompts = spec.prompts * spec.oversample
+  rows = prompts * spec.group
+  if decode_slots(spec.sampling, rows) < rows:
+    check_blocks(spec.sampling.slots, prompts, rows, batch_blocks(mesh, rows))
 
   def generate(params, key, prompt_ids, prompt_mask) -> Rollout:
     with shd.activate(mesh):

@@ -42,6 +42,9 @@ class Rollout:
   truncated: [N] bool, the row hit its length budget without a stop token.
   rewards: [N] float32, or None before scoring.
   components: [N, K] float32 per-component rewards, or None before scoring.
+  decode_step: [N] int32, the single-turn sampler's decode step that chose the row's last token
+    (0: the first token, drawn from the prefill), or None from other producers; its max is the
+    steps the decode loop ran (`sampler_metrics`).
   group_size: G (static).
   """
   prompt_ids: jax.Array
@@ -55,6 +58,7 @@ class Rollout:
   truncated: jax.Array
   rewards: Any = None
   components: Any = None
+  decode_step: Any = None
   group_size: int = flax.struct.field(pytree_node=False, default=1)
 
   @property
@@ -71,10 +75,11 @@ class Rollout:
 
   @classmethod
   def single_turn(cls, *, prompt_ids, prompt_mask, tokens, mask, logprobs, entropy, lengths, truncated,
-                  group_size: int) -> "Rollout":
+                  group_size: int, decode_step=None) -> "Rollout":
     """A rollout whose every completion token is the model's (context_mask = mask)."""
     return cls(prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens, mask=mask, context_mask=mask,
-               logprobs=logprobs, entropy=entropy, lengths=lengths, truncated=truncated, group_size=group_size)
+               logprobs=logprobs, entropy=entropy, lengths=lengths, truncated=truncated, decode_step=decode_step,
+               group_size=group_size)
 
 
 @dataclasses.dataclass

@@ -10,9 +10,9 @@ it and answers, and decoding resumes.
 Modules: registry (Tool, register_tool, get_tool), parsing (ToolCall, parse_tool_call),
 builtin (calculator, search, python), executor (ToolRunner, Observation).
 """
-from rljax.tools.registry import Tool, get_tool, list_tools, register_tool, validate_arguments
-from rljax.tools.parsing import FORMATS, ToolCall, end_markers, parse_tool_call
 from rljax.tools.executor import Observation, ToolRunner, execute_tool
+from rljax.tools.parsing import FORMATS, ToolCall, end_markers, parse_tool_call
+from rljax.tools.registry import Tool, get_tool, list_tools, register_tool, validate_arguments
 
 __all__ = [
     "FORMATS", "Observation", "Tool", "ToolCall", "ToolRunner", "end_markers", "execute_tool", "get_tool",

@@ -29,8 +29,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from rljax.errors import ConfigError
-from rljax.trainer.checkpoint_parts import (CheckpointError, CheckpointUnreadable, KeepLastAndBest, as_abstract,
-                                            first_line, leaves_by_path, metric_value, sample_names, to_json)
+from rljax.trainer.checkpoint_parts import (
+  CheckpointError,
+  CheckpointUnreadable,
+  KeepLastAndBest,
+  as_abstract,
+  first_line,
+  leaves_by_path,
+  metric_value,
+  sample_names,
+  to_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +303,8 @@ class Checkpointer:
       if any(k.startswith("ref_params.") for k in missing):
         fix = (" The checkpoint was saved without reference parameters (KL coefficient 0): restore with "
                "abstract_state.replace(ref_params=None) and rebuild the reference from the base model.")
-      raise CheckpointError(f"{where} has no {sample_names(missing)}; the state to restore does not match the saved one "
+      raise CheckpointError(f"{where} has no {sample_names(missing)}; the state to restore does not match the saved "
+                            f"one "
                             f"(different model, optimizer or settings?).{fix}")
     unused = [k for k in saved if k not in want]
     bad_unused = [k for k in unused if not any(k.startswith(p) for p in allow_unused)]

@@ -6,30 +6,47 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
+import re
 import sys
-from typing import Any
+import time
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from rljax import evaluation
 from rljax.data import PromptBatcher
-from rljax.errors import ConfigError
+from rljax.errors import ConfigError, DataError
+
+DEFAULT_BATCH_ROWS = 128   # `rljax eval --batch-size`: completions decoded at once
 
 
+@functools.lru_cache(maxsize=8)
 def _sample_fn(config, sp):
+  """The jitted sampler of one model config and SamplingParams, kept: the trainer's evaluations
+  (before, every eval.every steps, after) reuse its compiled programs instead of compiling anew."""
   from rljax.rollout.sampler import sample
-  return jax.jit(lambda params, ids, mask, key: sample(config, params, ids, mask, sp, key,
-                                                        eos_ids=tuple(sp.stop_token_ids)))
+
+  def eval_sample(params, ids, mask, key):
+    return sample(config, params, ids, mask, sp, key, eos_ids=tuple(sp.stop_token_ids))
+  return jax.jit(eval_sample)
+
+
+def prompts_per_batch(batch_rows: int, samples: int, num_examples: int) -> int:
+  """Prompts decoded at once: `batch_rows` completions' worth (at least one prompt), no more than
+  the examples asked for."""
+  return max(1, min(batch_rows // max(samples, 1), num_examples))
 
 
 def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examples: int, samples: int, sampling,
                     max_prompt_tokens: int, batch_prompts: int = 8, out_path: str | None = None,
                     seed: int = 0, distinct: bool = True, tool_rollout=None, prompt_tools=None,
-                    label: str | None = None, progress: bool = False) -> dict[str, Any]:
+                    label: str | None = None, progress: bool = False,
+                    stop: Callable[[], None] | None = None) -> dict[str, Any]:
   """Scores `samples` completions for each of the first `num_examples` examples of `dataset`.
 
   Returns accuracy (mean score>0.5 of the first reward component over all samples) with its
@@ -41,12 +58,21 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
   prompts carry `prompt_tools` schemas, and each example records `tool_calls` and `tool_errors`
   per completion (summarized as `tool_calls_per_completion` and `tool_error_rate`).
 
+  `batch_prompts` prompts are decoded at once (the last batch padded to that shape). Greedy
+  results do not depend on it (each row's computation is its own); sampled ones do, as each
+  batch draws from its own key. The metrics include `tokens_per_s`: generated tokens over the
+  time spent generating, compilation excluded. `stop()` is called between batches; what it
+  raises (trainer/stopping.py's StopRequested) ends the evaluation early.
+
   With `progress`, a line says what is evaluated (under `label`, e.g. "eval before training"), a
   progress bar counts the examples, and the result is printed when it ends (all on stderr), so a
   long evaluation is never a silent one.
   """
+  from rljax import compile_stats, progress as heartbeat
   label = label or "eval"
+  batch_prompts = max(1, min(batch_prompts, num_examples))
   bar = _Progress(label, num_examples, samples, enabled=progress)
+  compile_stats.install()
   batcher = PromptBatcher(dataset, tokenizer, prompts_per_batch=batch_prompts, max_prompt_tokens=max_prompt_tokens,
                           pad_to_max_prompt_tokens=True, drop_remainder=False, distinct=distinct, tools=prompt_tools)
   if tool_rollout is None:
@@ -56,16 +82,24 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
     run = lambda params, ids, mask, key: engine.run(params, ids, mask, key)[1].trajectories
   key = jax.random.key(seed)
   per_example: list[dict[str, Any]] = []
+  tokens_made, seconds = 0, 0.0
+  compiled_before = compile_stats.counts()["compile_seconds"]
   for batch in batcher:
+    if stop is not None:
+      stop()
     n = batch.prompt_ids.shape[0]
     ids, mask = batch.prompt_ids, batch.prompt_mask
     if n < batch_prompts:  # pad the last batch to the compiled shape
       ids = np.concatenate([ids, np.repeat(ids[-1:], batch_prompts - n, 0)])
       mask = np.concatenate([mask, np.repeat(mask[-1:], batch_prompts - n, 0)])
     key, sub = jax.random.split(key)
-    out = jax.device_get(run(params, ids, mask, sub))
+    start = time.perf_counter()
+    with heartbeat.phase(f"{label}: generating {n * samples} completions"):
+      out = jax.device_get(run(params, ids, mask, sub))
+    seconds += time.perf_counter() - start
     rows = n * samples
     tokens, lengths = np.asarray(out.tokens)[:rows], np.asarray(out.lengths)[:rows]
+    tokens_made += int(np.asarray(out.lengths).sum())    # the padding rows were generated too
     texts = tokenizer.batch_decode([tokens[r, :lengths[r]].tolist() for r in range(rows)])
     examples = [batch.examples[r // samples] for r in range(rows)]
     scored = pool.score(texts, examples, num_tokens=lengths.tolist(), group_size=samples)
@@ -89,6 +123,10 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
     if len(per_example) >= num_examples:
       break
   metrics = summarize(per_example, samples, out_path)
+  generating = seconds - (compile_stats.counts()["compile_seconds"] - compiled_before)
+  if per_example:
+    metrics["tokens_per_s"] = float(tokens_made / max(generating, 1e-9))
+    metrics["generate_seconds"] = float(seconds)
   bar.close(metrics, out_path)
   return metrics
 
@@ -100,6 +138,8 @@ def format_result(metrics: dict[str, Any]) -> str:
     return "no examples evaluated"
   parts = [f"accuracy {100 * metrics['accuracy']:.1f}% +- {100 * metrics['accuracy_stderr']:.1f} over {n} examples"]
   parts += [f"{k} {100 * v:.1f}%" for k, v in metrics.items() if k.startswith(("pass@", "maj@")) and k != "pass@1"]
+  if "tokens_per_s" in metrics:
+    parts.append(f"{metrics['tokens_per_s']:.0f} generated tokens/s")
   return ", ".join(parts)
 
 
@@ -113,7 +153,9 @@ class _Progress:
     from tqdm.auto import tqdm
     print(f"{label}: scoring {samples} completion{'s' if samples > 1 else ''} for each of up to {num_examples} "
           "held-out examples ...", file=sys.stderr, flush=True)
-    self._bar = tqdm(total=num_examples, desc=label, unit="example", file=sys.stderr, dynamic_ncols=True)
+    from rljax import progress
+    self._bar = progress.track(tqdm(total=num_examples, desc=label, unit="example", file=sys.stderr,
+                                    dynamic_ncols=True))
 
   def update(self, n: int) -> None:
     self.done += n
@@ -123,6 +165,8 @@ class _Progress:
   def close(self, metrics: dict[str, Any], out_path: str | None) -> None:
     if self._bar is None:
       return
+    from rljax import progress
+    progress.untrack(self._bar)
     self._bar.close()
     where = f" (per example: {out_path})" if out_path else ""
     print(f"{self.label}: {format_result(metrics)}{where}", file=sys.stderr, flush=True)
@@ -166,6 +210,10 @@ def eval_main(argv) -> int:
                       help="a data source: a .jsonl/.parquet file, or a procedural task name (arithmetic, countdown)")
   parser.add_argument("--kind", default=None, help="source kind (jsonl, parquet, gsm8k, math, ...); "
                       "default: from the file extension or the task name")
+  parser.add_argument("--fields", default=None, metavar="JSON",
+                      help="which columns of a file hold what, e.g. '{\"prompt\": \"question\", \"answer\": "
+                           "\"solution\"}' (keys: prompt, answer, id, extra); default: prompt <- 'prompt', answer <- "
+                           "'answer'")
   parser.add_argument("--split", default="test")
   parser.add_argument("--difficulty", type=int, default=None, help="difficulty of a procedural task")
   parser.add_argument("--held-out-fraction", type=float, default=None,
@@ -178,7 +226,10 @@ def eval_main(argv) -> int:
   parser.add_argument("--max-prompt-tokens", type=int, default=512)
   parser.add_argument("--prompt-template", default="{prompt}")
   parser.add_argument("--system-prompt", default=None)
-  parser.add_argument("--batch-prompts", type=int, default=8)
+  parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_ROWS,
+                      help="completions decoded at once (prompts per batch: this over --samples); larger is faster "
+                           "until memory runs out; greedy results do not depend on it")
+  parser.add_argument("--batch-prompts", type=int, default=None, help=argparse.SUPPRESS)   # before --batch-size
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--timeout", type=float, default=10.0)
   parser.add_argument("--out", default="eval_results.jsonl")
@@ -209,6 +260,8 @@ def eval_main(argv) -> int:
       kind = {".jsonl": "jsonl", ".parquet": "parquet", ".json": "json"}.get(os.path.splitext(args.data)[1], "jsonl")
   if kind not in ("arithmetic", "countdown"):
     source["path"] = args.data
+    if args.fields:
+      source["fields"] = _parse_fields(args.fields)
   else:
     if args.difficulty is not None:
       source["difficulty"] = args.difficulty
@@ -219,18 +272,28 @@ def eval_main(argv) -> int:
     source["verifier"] = args.verifier
   data_cfg = {"sources": [source], "prompt_template": args.prompt_template, "system_prompt": args.system_prompt,
               "max_prompt_tokens": args.max_prompt_tokens, "shuffle": False}
-  dataset = build_dataset(data_cfg, split=args.split)
+  try:
+    dataset = build_dataset(data_cfg, split=args.split)
+  except (ConfigError, DataError) as e:
+    raise type(e)(_as_eval_flags(str(e), args.data)) from None
   verifier = args.verifier or dataset.config["sources"][0]["verifier"]
+  # The verifier is checked before the model loads (a typo costs no model load).
+  try:
+    spec = RewardSpec.from_dict({"components": [{"name": "correct", "verifier": verifier, "weight": 1.0}],
+                                 "timeout_s": args.timeout, "num_workers": args.workers})
+    spec.resolve()
+  except ConfigError as e:
+    raise ConfigError(str(e).replace("rewards.components[0] ('correct')", f"--verifier {verifier}")) from None
   if not args.quiet:
     print(f"rljax eval: loading {args.model} ...", file=sys.stderr, flush=True)
-  policy = rljax.load_pretrained(args.model)
+  from rljax import progress
+  with progress.phase(f"loading {args.model}"):
+    policy = rljax.load_pretrained(args.model)
   tok = policy.tokenizer
   temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
   sp = SamplingParams(num_samples=args.samples, max_new_tokens=args.max_new_tokens,
                       temperature=effective_temperature(temperature), greedy=temperature == 0,
                       stop_token_ids=tuple(sorted(set(tok.stop_ids))))
-  spec = RewardSpec.from_dict({"components": [{"name": "correct", "verifier": verifier, "weight": 1.0}],
-                               "timeout_s": args.timeout, "num_workers": args.workers})
   with RewardPool(spec) as pool, _tool_runner(args) as runner:
     tool_rollout = prompt_tools = None
     if runner is not None:
@@ -240,12 +303,36 @@ def eval_main(argv) -> int:
       prompt_tools = runner.schemas() if args.tool_format == "hermes" else None
     metrics = evaluate_policy(policy.config, policy.params, tok, dataset, pool, num_examples=args.num_examples,
                               samples=args.samples, sampling=sp, max_prompt_tokens=args.max_prompt_tokens,
-                              batch_prompts=args.batch_prompts, out_path=args.out, seed=args.seed,
+                              batch_prompts=args.batch_prompts or prompts_per_batch(
+                                  args.batch_size, args.samples, args.num_examples),
+                              out_path=args.out, seed=args.seed,
                               tool_rollout=tool_rollout, prompt_tools=prompt_tools,
                               label=f"eval {args.data} ({args.split})", progress=not args.quiet)
   print(json.dumps(metrics, indent=2))
   print(f"{format_result(metrics)}\nper-example results: {args.out}")
   return 0
+
+
+def _parse_fields(text: str) -> dict:
+  try:
+    fields = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"--fields is not valid JSON ({e}); pass an object of role -> column, e.g. "
+                      '\'{"prompt": "question", "answer": "solution"}\'.') from None
+  if not isinstance(fields, dict):
+    raise ConfigError('--fields must be a JSON object, e.g. \'{"prompt": "question", "answer": "solution"}\'.')
+  return fields
+
+
+def _as_eval_flags(message: str, data: str) -> str:
+  """A data error in `rljax eval`'s own terms: its flags, not the trainer's config fields."""
+  message = message.replace("data.sources[0].fields", "--fields").replace("data.sources[0]", f"--data {data}")
+  example = """--fields '{"prompt": "question", "answer": "answer"}'"""
+  message = re.sub(r"the source's 'fields' \(now ([^)]*)\), e\.g\. fields=\{[^}]*\}",
+                   lambda m: f"--fields (now {m.group(1)}), e.g. {example}", message)
+  message = message.replace("Fix the source's 'fields' mapping", "Map the columns with --fields")
+  return message.replace("correct the source's 'fields' mapping", "map the columns with --fields").replace(
+      ", or set data.on_malformed: skip to skip and count such rows", "")
 
 
 def _tool_runner(args):

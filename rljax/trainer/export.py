@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
+import sys
 import warnings
 from typing import Sequence
 
@@ -64,8 +66,57 @@ def _tokenizer(extras: dict, where: str):
 EXPORT_FORMATS = ("merged", "peft")
 
 
+_MODEL_FILES = ("config.json", "adapter_config.json")
+
+
+def check_out_dir(out_dir: str | os.PathLike, overwrite: bool = False, flag: str = "--out") -> None:
+  """An export's destination must be a new or empty directory, or, with `overwrite`, an earlier
+  export (a directory with config.json or adapter_config.json): never a file, never a directory
+  of other things. ConfigError naming `flag` and the way out otherwise."""
+  out = os.fspath(out_dir)
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ConfigError(f"{flag} {out} is a file; an export is a directory (config.json, model.safetensors, "
+                      "tokenizer files). Pass a new directory name.")
+  parent = os.path.abspath(out)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise ConfigError(f"{flag} {out} cannot be created: {parent} is a file. Pass another directory.")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ConfigError(f"{flag} {out} cannot be written: no write permission on {parent}.")
+  entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+  if not entries:
+    return
+  shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+  if not overwrite:
+    raise ConfigError(f"{flag} {out} already holds files ({shown}); exporting there would overwrite them. Pass a "
+                      "new directory, or add --overwrite to replace the model exported there.")
+  if not any(name in entries for name in _MODEL_FILES):
+    raise ConfigError(f"{flag} {out} holds files ({shown}) but no exported model ({' or '.join(_MODEL_FILES)}); "
+                      "--overwrite replaces only an earlier export. Pass a new directory.")
+
+
+def _replace_dir(build, out_dir: str) -> str:
+  """Writes a directory with `build(tmp)` next to `out_dir`, then puts it in place of `out_dir`
+  (so an export that fails leaves an earlier one intact)."""
+  out = os.path.abspath(os.fspath(out_dir))
+  tmp, old = out + ".rljax-tmp", out + ".rljax-old"
+  for leftover in (tmp, old):
+    shutil.rmtree(leftover, ignore_errors=True)
+  try:
+    build(tmp)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  if os.path.isdir(out):
+    os.replace(out, old)
+  os.replace(tmp, out)
+  shutil.rmtree(old, ignore_errors=True)
+  return os.fspath(out_dir)
+
+
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int | None = None,
-                      dtype: str = "bfloat16", fmt: str = "merged") -> str:
+                      dtype: str = "bfloat16", fmt: str = "merged", overwrite: bool = False) -> str:
   """Writes checkpoint `step` (default: the latest) of `checkpoint_dir` as an HF directory; returns `out_dir`.
 
   `dtype` is the tensor dtype on disk ("bfloat16" or "float32"). Tokenizer files are written
@@ -74,11 +125,19 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
   checksum recorded with the adapters); `fmt="merged"` writes base + adapters folded into one
   model, `fmt="peft"` the adapters alone in PEFT's layout (float32, loadable with
   `peft.PeftModel.from_pretrained(base, out_dir)`).
+
+  `out_dir` must be new or empty; with `overwrite`, an earlier export there is replaced once the
+  new one is written (`check_out_dir`).
   """
   if dtype not in EXPORT_DTYPES:
     raise ConfigError(f"export dtype={dtype!r} is not supported; use one of {EXPORT_DTYPES}.")
   if fmt not in EXPORT_FORMATS:
     raise ConfigError(f"export format={fmt!r} is not supported; use one of {EXPORT_FORMATS}.")
+  check_out_dir(out_dir, overwrite)
+  return _replace_dir(lambda tmp: _export(checkpoint_dir, tmp, step, dtype, fmt), out_dir)
+
+
+def _export(checkpoint_dir, out_dir: str, step: int | None, dtype: str, fmt: str) -> str:
   with Checkpointer(checkpoint_dir, read_only=True) as ckpt:
     step = ckpt.latest_step() if step is None else int(step)
     if step is None:
@@ -98,15 +157,17 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
   params = jax.tree.map(np.asarray, params)
   policy = Policy(config=config, params=params, tokenizer=_tokenizer(extras, where), source=where)
   out = save_pretrained(policy, out_dir, dtype=dtype)
-  log.info("exported %s (%s) to %s", where, dtype, out)
+  log.info("exported %s (%s)", where, dtype)
   return os.fspath(out)
 
 
 def _export_lora(extras: dict, config: ModelConfig, adapters, where: str, out_dir, dtype: str, fmt: str) -> str:
   """A LoRA checkpoint's adapters, alone in PEFT's layout or merged into the run's base model."""
   import ml_collections
+
   from rljax.config import lora_config
   from rljax.models import lora
+  from rljax.models.builtin import peft_base_name
   from rljax.models.io import save_pretrained
   from rljax.models.lora_io import save_peft_adapter
   from rljax.trainer.loop import EXTRAS_BASE_FINGERPRINT, load_policy
@@ -116,8 +177,8 @@ def _export_lora(extras: dict, config: ModelConfig, adapters, where: str, out_di
   adapters = jax.tree.map(np.asarray, adapters)
   if fmt == "peft":
     out = save_peft_adapter(config.replace(lora=lora_config(run)), adapters, out_dir,
-                            base_model_name_or_path=run.model.path)
-    log.info("exported the LoRA adapters of %s (PEFT layout) to %s", where, out)
+                            base_model_name_or_path=peft_base_name(run.model.path))
+    log.info("exported the LoRA adapters of %s (PEFT layout)", where)
     return os.fspath(out)
   base = load_policy(run.model, run.get("tokenizer", ""))
   saved, now = float(extras[EXTRAS_BASE_FINGERPRINT]), lora.fingerprint(base.params)
@@ -129,7 +190,7 @@ def _export_lora(extras: dict, config: ModelConfig, adapters, where: str, out_di
   policy = Policy(config=base.config.replace(lora=None), params=jax.tree.map(np.asarray, merged),
                   tokenizer=base.tokenizer, source=where)
   out = save_pretrained(policy, out_dir, dtype=dtype)
-  log.info("exported %s merged with its base %s (%s) to %s", where, run.model.path, dtype, out)
+  log.info("exported %s merged with its base %s (%s)", where, run.model.path, dtype)
   return os.fspath(out)
 
 
@@ -140,12 +201,18 @@ def export_main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--checkpoint", required=True,
                       help="the run's checkpoint directory (holding numbered step folders), e.g. runs/x/checkpoints")
   parser.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, tokenizer)")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace an earlier export in --out (without it, a non-empty --out is refused)")
   parser.add_argument("--step", type=int, default=None, help="step to export (default: the latest)")
   parser.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16", help="tensor dtype on disk")
   parser.add_argument("--format", choices=EXPORT_FORMATS, default="merged",
                       help="LoRA runs: merged (adapters folded into the base, a plain HF model) or peft (the "
                            "adapters alone: adapter_config.json + adapter_model.safetensors)")
   args = parser.parse_args(argv)
-  out = export_checkpoint(args.checkpoint, args.out, step=args.step, dtype=args.dtype, fmt=args.format)
+  from rljax import progress
+  print(f"rljax export: {args.checkpoint} -> {args.out} ({args.format}, {args.dtype}) ...", file=sys.stderr, flush=True)
+  with progress.phase(f"exporting {args.checkpoint} to {args.out}"):
+    out = export_checkpoint(args.checkpoint, args.out, step=args.step, dtype=args.dtype, fmt=args.format,
+                            overwrite=args.overwrite)
   print(out)
   return 0

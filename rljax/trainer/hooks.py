@@ -41,8 +41,10 @@ class _Log:
     from tqdm.auto import tqdm
     c = trainer.config
     self.writer = writer
-    self.progress = tqdm(total=c.train.steps, initial=trainer.start_step, desc="train", unit="step",
-                         disable=not (c.output.progress and jax.process_index() == 0), dynamic_ncols=True)
+    from rljax import progress
+    self.progress = progress.track(tqdm(total=c.train.steps, initial=trainer.start_step, desc="train", unit="step",
+                                        disable=not (c.output.progress and jax.process_index() == 0),
+                                        dynamic_ncols=True))
 
   def __call__(self, trainer, info: StepInfo) -> None:
     m = info.metrics
@@ -53,6 +55,8 @@ class _Log:
                                "mfu": f"{m.get('perf/mfu', 0):.1%}"})
 
   def finish(self, trainer) -> None:
+    from rljax import progress
+    progress.untrack(self.progress)
     self.progress.close()
 
 

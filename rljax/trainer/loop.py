@@ -1,6 +1,7 @@
 """The outer training loop: set up, resume, step, log, evaluate, checkpoint, export."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from rljax.data import PromptBatcher, build_dataset
 from rljax.errors import ConfigError, RljaxError
 from rljax.models import lora
 from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
+from rljax.rewards.routing import source_verifiers_from_data
 from rljax.rollout.tools import ToolRollout, TurnParams
 from rljax.rollout.types import Prompts
 from rljax.tools import ToolRunner
@@ -39,6 +41,16 @@ class TrainingStopped(RljaxError):
 
 class DataExhausted(TrainingStopped):
   """The training data ran out before train.steps; a checkpoint of the last step is saved first."""
+
+
+class Interrupted(TrainingStopped):
+  """A stop signal (config.train.stop_signals) stopped the run; a checkpoint of its last step is saved.
+
+  `signum`: the signal (None: stopped otherwise); `step`: the step saved (0: nothing was trained)."""
+
+  def __init__(self, message: str, *, signum: int | None = None, step: int = 0):
+    super().__init__(message)
+    self.signum, self.step = signum, step
 
 
 class PromptFeed:
@@ -180,12 +192,18 @@ class Trainer:
       self.eval_data = build_dataset(data_cfg, split="test", process_index=0, process_count=1)
 
   def _setup_rewards(self):
-    spec = RewardSpec.from_dict(self.config.rewards.to_dict())
+    spec = RewardSpec.from_dict(self.config.rewards.to_dict(),
+                                source_verifiers=source_verifiers_from_data(self.config.data))
     self.component_names = [comp.name for comp in spec.components]
     # Rewards come back sharded like the batch (per device shard of `mesh`): left on one device,
     # they pulled the fused step off the mesh (6x slower on 8 simulated devices, measured).
+    graph = None
+    if spec.graph_components:   # reward models and judges: loaded onto the mesh, scored in the step
+      from rljax.rewards.reward_models import GraphScorer
+      graph = GraphScorer(spec, self.tokenizer, self.mesh, dtype=self.config.model.dtype,
+                          stop_ids=sorted(set(self.tokenizer.stop_ids) | set(self.sp.stop_token_ids)))
     self.scorer = Scorer(spec, lambda: RewardPool(spec), lambda pool: make_reward_fn(
-        pool, self.tokenizer.batch_decode, group_size=self.sp.num_samples, mesh=self.mesh))
+        pool, self.tokenizer.batch_decode, group_size=self.sp.num_samples, mesh=self.mesh, graph=graph))
 
   # The static parts of the run (rljax/trainer/setup.py), under the names the loop and hooks use.
   model_config = property(lambda self: self.setup.model)
@@ -274,15 +292,20 @@ class Trainer:
   def _perf_metrics(self, m: dict[str, float], prompt_len: int) -> dict[str, float]:
     """Achieved FLOP/s per phase and as a fraction of the devices' peak (rljax/flops.py)."""
     from rljax import flops
+    from rljax.rollout.slots import decode_slots
     if self._peak_flops is None:
       self._peak_flops, source = flops.device_peak_flops(self.config.model.dtype)
       log.info("peak for perf/mfu: %.3g FLOP/s (%s)", self._peak_flops, source)
     t, spec = self.config.train, self.spec
     extra = int(self.loss_cfg.needs_reference) + int(spec.recompute_old_logprobs)
+    rows = t.prompts_per_step * self.oversample * spec.group
+    steps, decode_rows = int(m["response_length_max"]), None
+    if "sampler/decode_steps" in m:   # the sampler's own count; its decode slots (sampling.slots) did the work
+      steps, decode_rows = int(m["sampler/decode_steps"]) + 1, decode_slots(spec.sampling, rows)
     work = flops.rollout_step_flops(
         spec.model, sample_prompts=t.prompts_per_step * self.oversample, update_prompts=t.prompts_per_step,
-        group=spec.group, prompt_len=prompt_len, decode_steps=int(m["response_length_max"]),
-        completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra)
+        group=spec.group, prompt_len=prompt_len, decode_steps=steps,
+        completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra, decode_rows=decode_rows)
     out = {"perf/flops_per_s": (work["sample"] + work["update"]) / max(m["time/step"], 1e-9)}
     out["perf/mfu"] = flops.utilization(out["perf/flops_per_s"], self._peak_flops)
     # In the decoupled modes a phase's time is the wait for it, not its duration: no per-phase MFU.
@@ -292,23 +315,78 @@ class Trainer:
     return out
 
   def run(self) -> dict[str, Any]:
-    c = self.config
+    """Trains to config.train.steps and does what follows the last step (the evaluation after
+    training, the final checkpoint, the export), then writes `summary.json`. A run resumed at its
+    last step (stopped after its last checkpoint) only does what follows.
+
+    Holds the run directory's lock throughout (a second run into it stops at once). The first of
+    config.train.stop_signals stops the run after the step it is in, with a checkpoint, and raises
+    `Interrupted`; a second one exits at once (trainer/stopping.py)."""
+    from rljax.trainer.runlock import RunLock
     writing = jax.process_index() == 0
+    with RunLock(self.out_dir) if writing else contextlib.nullcontext(), self._stop_signals() as stop:
+      self._stop = stop
+      try:
+        return self._run(stop, writing)
+      finally:
+        self._stop = None
+
+  def _stop_signals(self):
+    from rljax.trainer.stopping import StopSignals
+    return StopSignals(self.config.train.stop_signals, multi_process=jax.process_count() > 1,
+                       on_first=self._stop_message)
+
+  def _stop_message(self, signum: int) -> str:
+    import signal
+    name = signal.Signals(signum).name
+    return (f"rljax: {name} received: the run stops after the step in progress and saves a checkpoint "
+            f"(send it again{' (Ctrl-C)' if name == 'SIGINT' else ''} to exit at once, losing the steps since the "
+            "last checkpoint).")
+
+  def _interrupted(self, stop, step: int, what: str) -> "Interrupted":
+    """The Interrupted error after a stop at `step` (a checkpoint of it saved, unless step is 0)."""
+    import signal
+    name = signal.Signals(stop.signum).name if stop.signum else "a stop request"
+    saved = (f"checkpoint of step {step} in {self.ckpt.directory}" if step else
+             "no checkpoint (no step had been trained)")
+    return Interrupted(f"stopped by {name} {what}; {saved}. Run the same command again to "
+                       f"{'resume' if step else 'start'}.", signum=stop.signum, step=step)
+
+  def _run(self, stop, writing: bool) -> dict[str, Any]:
+    from rljax import progress
+    from rljax.trainer import rundir
+    from rljax.trainer.stopping import StopRequested
+    c = self.config
     if writing:   # the run dir's record of its config: written when training starts, never by a dry run
-      from rljax.trainer import rundir
       rundir.write_config(c, self.out_dir)
+    finishing = self.start_step >= c.train.steps
     writer = MetricsWriter(self.out_dir, tensorboard=c.output.tensorboard, writing=writing,
-                           start_step=self.start_step)
+                           start_step=self.start_step, wandb=c.output.wandb.to_dict(),
+                           config=json.loads(config_lib.to_json(c)))
+    if finishing and writing:   # an earlier attempt may have logged the evaluation after training
+      rundir.drop_eval_rows(writer.path, c.train.steps)
     summary: dict[str, Any] = {"output_dir": self.out_dir}
+    evaluating = c.eval.before_and_after and self.eval_data is not None
     try:
-      if c.eval.before_and_after and self.eval_data is not None and self.start_step == 0:
-        summary["eval_before"] = self.evaluate("before")
+      if evaluating and self.start_step == 0:
+        try:
+          summary["eval_before"] = self.evaluate("before")
+        except StopRequested:
+          raise self._interrupted(stop, 0, "during the evaluation before training") from None
         writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
+      elif evaluating and writing:
+        before = rundir.logged_eval(writer.path, 0)
+        if before is not None:
+          summary["eval_before"] = before
       for hook in self.hooks:
         hook.start(self, writer)
       for step in range(self.start_step, c.train.steps):
+        what = f"step {step + 1} of {c.train.steps}"
+        if step == self.start_step:
+          what += ": the first step compiles its programs"
         try:
-          m = self.run_step()
+          with progress.phase(what):
+            m = self.run_step()
         except DataExhausted:
           self.save(force=True)   # keep everything trained so far, then stop
           raise
@@ -319,20 +397,34 @@ class Trainer:
               f"(config.optim.max_consecutive_skips={c.optim.max_consecutive_skips}); the run stopped. The last "
               f"good checkpoint is in {self.ckpt.directory}. Lower optim.learning_rate or check the rewards.")
         info = StepInfo(step=step + 1, metrics=m, last=step + 1 == c.train.steps)
-        for hook in self.hooks:
-          if hook.every and info.step % hook.every == 0:
-            hook.fn(self, info)
+        try:
+          for hook in self.hooks:
+            if hook.every and info.step % hook.every == 0:
+              hook.fn(self, info)
+        except StopRequested:
+          pass   # an evaluation ended early; the step itself is complete and is saved below
+        if stop.stop_after(info.step):
+          self.save()   # a no-op when the checkpoint hook has just saved this step
+          raise self._interrupted(stop, info.step, f"after step {info.step} of {c.train.steps}")
       for hook in self.hooks:
         hook.finish(self)
-      if c.eval.before_and_after and self.eval_data is not None:
-        summary["eval_after"] = self.evaluate("after")
+      if evaluating:
+        try:
+          summary["eval_after"] = self.evaluate("after")
+        except StopRequested:
+          self.save(force=True)
+          raise self._interrupted(stop, c.train.steps, "during the evaluation after training") from None
         writer.write(c.train.steps, {f"eval/{k}": v for k, v in summary["eval_after"].items()
                                      if isinstance(v, float)})
-      self.save(summary.get("eval_after"), force=True)
-      self.ckpt.wait()
+      with progress.phase("saving the final checkpoint"):
+        self.save(summary.get("eval_after"), force=True)
+        self.ckpt.wait()
       summary["checkpoint_dir"] = self.ckpt.directory
-      if c.output.export_hf and jax.process_index() == 0:
-        summary["hf_dir"] = self.export()
+      if stop.requested:
+        raise self._interrupted(stop, c.train.steps, "before the export")
+      if c.output.export_hf and writing:
+        with progress.phase(f"exporting to {os.path.join(self.out_dir, 'hf')}"):
+          summary["hf_dir"] = self.export()
     finally:
       self.close()
       writer.close()
@@ -341,24 +433,33 @@ class Trainer:
     summary["metrics_file"] = writer.path
     if c.output.tensorboard:
       summary["tensorboard_dir"] = os.path.join(self.out_dir, "tb")
+    if c.output.wandb.project:
+      summary["wandb_dir"] = os.path.join(self.out_dir, "wandb")
+    if writing:   # last of all: a run with summary.json has done everything (rundir.check_resume)
+      rundir.write_summary(self.out_dir, c.train.steps, summary)
     return summary
 
   # ---- evaluation, checkpoints, export -------------------------------------------------------
 
   def evaluate(self, tag: str) -> dict[str, Any]:
-    from rljax.trainer.evaluate import evaluate_policy
+    from rljax.trainer.evaluate import evaluate_policy, prompts_per_batch
     c = self.config
+    # eval.batch_size completions at once; 0: as many as a training step samples, at least 128 (the
+    # default run's 128 examples in one batch: 2/3 of the CPU time of 8 at a time, and both cores busy).
+    rows = c.eval.batch_size or max(128, self.batch_rows * self.sp.num_samples)
+    stop = getattr(self, "_stop", None)
     return evaluate_policy(
         self.model_config, self.state.model_params(), self.tokenizer, self.eval_data, self.scorer.pool,
         num_examples=c.eval.num_examples, samples=c.eval.samples,
         sampling=sampling_params(c, self.tokenizer, num_samples=c.eval.samples, temperature=c.eval.temperature,
                                  max_new_tokens=c.eval.max_new_tokens or None),
         tool_rollout=self.tool_rollout if c.tools.enabled else None, prompt_tools=self.prompt_tools,
-        max_prompt_tokens=c.data.max_prompt_tokens, batch_prompts=max(c.train.prompts_per_step, 8),
+        max_prompt_tokens=c.data.max_prompt_tokens,
+        batch_prompts=prompts_per_batch(rows, c.eval.samples, c.eval.num_examples),
         out_path=os.path.join(self.out_dir, f"eval_{tag}.jsonl"), seed=c.train.seed,
         label={"before": "eval before training", "after": "eval after training"}.get(
             tag, "eval at " + tag.replace("step", "step ")),
-        progress=c.output.progress and jax.process_index() == 0)
+        progress=c.output.progress and jax.process_index() == 0, stop=stop.check if stop is not None else None)
 
   def save(self, eval_metrics=None, force=False):
     extras = {"data": self.data_state, "config": json.loads(config_lib.to_json(self.config)),
@@ -384,11 +485,12 @@ class Trainer:
       params = jax.device_get(self.state.params)
       save_pretrained(Policy(self.model_config, params, tokenizer=self.tokenizer), out, dtype=dtype)
       return out
+    from rljax.models.builtin import peft_base_name
     from rljax.models.lora_io import save_peft_adapter
     base, adapters = jax.device_get((self.state.frozen, self.state.params))
     merged = lora.merge(self.model_config, base, adapters)
     save_pretrained(Policy(self.model_config.replace(lora=None), merged, tokenizer=self.tokenizer), out, dtype=dtype)
     save_peft_adapter(self.model_config, adapters, os.path.join(self.out_dir, "peft"),
-                      base_model_name_or_path=self.config.model.path)
+                      base_model_name_or_path=peft_base_name(self.config.model.path))
     return out
 

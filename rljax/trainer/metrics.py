@@ -1,9 +1,11 @@
-"""Metric sinks: a JSONL file (one object per step) and TensorBoard event files."""
+"""Metric sinks: a JSONL file (one object per step), TensorBoard event files, and optionally
+Weights & Biases (config.output.wandb; the `wandb` package is an optional extra)."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import uuid
 from typing import Mapping
 
 import numpy as np
@@ -41,13 +43,19 @@ class MetricsWriter:
   step N). The rows an earlier attempt wrote for steps this run writes again are dropped from
   metrics.jsonl, and TensorBoard is told to purge them (SummaryWriter's `purge_step`), so every
   step has one row. None (the default) appends without purging.
+
+  `wandb`: config.output.wandb as a dict (project, name, entity, mode); with a project, every
+  row also goes to a W&B run kept under `<directory>/wandb`, whose id is saved in
+  `<directory>/wandb_run_id` so that a resumed run continues the same W&B run. `config`: the
+  run's config, recorded with it.
   """
 
   def __init__(self, directory: str, tensorboard: bool = True, writing: bool = True,
-               start_step: int | None = None):
+               start_step: int | None = None, wandb: dict | None = None, config: dict | None = None):
     self.path = os.path.join(directory, "metrics.jsonl")
     self._file = None
     self._tb = None
+    self._wandb = None
     if not writing:
       return
     os.makedirs(directory, exist_ok=True)
@@ -60,6 +68,8 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(os.path.join(directory, "tb"), purge_step=purge_step)
+    if wandb and wandb.get("project"):
+      self._wandb = _wandb_run(directory, wandb, config)
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     if self._file is None:
@@ -72,9 +82,40 @@ class MetricsWriter:
         if math.isfinite(v):
           self._tb.add_scalar(_tensorboard_tag(k), v, step)
       self._tb.flush()
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in metrics.items() if math.isfinite(v)}, step=step)
 
   def close(self) -> None:
     if self._file is not None:
       self._file.close()
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def _wandb_run(directory: str, settings: dict, config: dict | None):
+  """A W&B run for `directory`: the one its earlier attempts logged to (same id), or a new one."""
+  try:
+    import wandb
+  except ImportError:
+    from rljax.errors import ConfigError
+    raise ConfigError("config.output.wandb.project is set, but the wandb package is not installed: pip install "
+                      "wandb (or 'rljax[wandb]'), or set output.wandb.project=''.") from None
+  id_path = os.path.join(directory, WANDB_ID_FILE)
+  try:
+    with open(id_path, encoding="utf-8") as f:
+      run_id = f.read().strip()
+  except OSError:
+    run_id = ""
+  if not run_id:
+    run_id = uuid.uuid4().hex[:12]
+    with open(id_path, "w", encoding="utf-8") as f:
+      f.write(run_id + "\n")
+  return wandb.init(project=settings["project"], entity=settings.get("entity") or None,
+                    name=settings.get("name") or os.path.basename(os.path.abspath(directory)),
+                    mode=settings.get("mode", "online"), dir=directory, id=run_id, resume="allow", config=config)

@@ -116,11 +116,12 @@ class Scorer:
     self.pool = self._make_pool()
     self.reward_fn.pool = self.pool
 
-  def score(self, tokens: np.ndarray, lengths: np.ndarray, examples: list, index: int):
-    """(rewards [N], components [N, K], metrics) for host arrays; retries on a fresh pool."""
+  def score(self, tokens: np.ndarray, lengths: np.ndarray, examples: list, index: int, rollout=None):
+    """(rewards [N], components [N, K], metrics) for host arrays; retries on a fresh pool. `rollout`
+    (device arrays of the rows): what reward models and judges score on the mesh."""
     for attempt in range(1, SCORE_ATTEMPTS + 1):
       try:
-        rewards, components, out = self.reward_fn.score(tokens, lengths, examples, step=index)
+        rewards, components, out = self.reward_fn.score(tokens, lengths, examples, step=index, rollout=rollout)
         break
       except Exception as e:  # noqa: BLE001 - the pool itself failed; rescore rather than lose the batch
         if attempt == SCORE_ATTEMPTS:
@@ -190,6 +191,7 @@ class FusedRollouts:
     self.index = ctx.start_step
     self.batch_sharding = shd.batch_sharding(ctx.mesh, 2, ctx.batch_rows)
     self.train_step = train_step_program(ctx.setup, ctx.mesh, ctx.state_shardings, ctx.scorer.reward_fn)
+    self.graph_step = None     # with reward models or judges: the step that also takes their inputs
     self.counts = {"batches_generated": 0, "batches_trained": 0}
 
   def step(self, state: TrainState, feed) -> tuple[TrainState, StepOutput]:
@@ -200,7 +202,14 @@ class FusedRollouts:
     # global prompt indices (rljax/rewards/callback.py).
     scorer.reward_fn.set_batch(prompts.examples, step=self.index,
                                indices=local_indices(prompts.ids.sharding, prompts.ids.shape))
-    state, metrics = self.train_step(state, prompts.ids, prompts.mask)
+    inputs = scorer.reward_fn.graph_inputs(prompts.examples, prompts.ids.shape[0])
+    if inputs is None:
+      state, metrics = self.train_step(state, prompts.ids, prompts.mask)
+    else:
+      if self.graph_step is None:
+        self.graph_step = train_step_program(self.ctx.setup, self.ctx.mesh, self.ctx.state_shardings,
+                                             scorer.reward_fn, jax.tree.map(lambda x: x.sharding, inputs))
+      state, metrics = self.graph_step(state, prompts.ids, prompts.mask, inputs)
     metrics = jax.device_get(metrics)
     t1 = time.perf_counter()
     self.index += 1
@@ -261,7 +270,7 @@ class Decoupled:
     """Scores on the host (the scorer rescoring on a fresh pool if the pool fails)."""
     start = time.perf_counter()
     item.rewards, item.components, item.reward_metrics = self.ctx.scorer.score(
-        item.tokens, item.lengths, item.info.examples, item.index)
+        item.tokens, item.lengths, item.info.examples, item.index, rollout=item.rollout)
     item.score_s = time.perf_counter() - start
     return item
 

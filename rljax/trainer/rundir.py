@@ -8,18 +8,24 @@ is missing). Before anything is written, `check_resume` compares a new config wi
   * a checkpoint and the same config: the run resumes from the latest checkpoint;
   * a checkpoint and a config that differs outside `RESUME_MAY_DIFFER`: a ConfigError listing the
     differing fields and the ways out (a new output.dir, or starting over);
-  * a checkpoint at or past train.steps: `RunFinished`, saying how to extend the run.
+  * a checkpoint at train.steps and `summary.json` (written when a run has done everything: its
+    evaluation after training, the export, the summary): `RunFinished`, saying how to extend it;
+  * a checkpoint at train.steps without `summary.json`: the run was stopped after its last
+    checkpoint (killed during its final evaluation or export), and a new start completes it
+    (`RunDir.finishing`).
 
 Fields that may differ on resume (`RESUME_MAY_DIFFER`) change how a run is watched, kept or laid
 out on devices, not what it trains: train.steps (to extend a run; a cosine or linear learning
 rate schedule stretches to the new length), output.*, eval.*, the checkpoint cadence and
 retention, mesh.* (checkpoints restore onto any mesh), model.remat and model.attention (memory
-and kernels, same numbers), worker counts, and optim.max_consecutive_skips.
+and kernels, same numbers), worker counts, optim.max_consecutive_skips and train.stop_signals.
 
 Starting over (`checkpoint.resume=False`, or `rljax train --overwrite`) deletes the earlier run's
-outputs by name (`RUN_OUTPUTS`), never the directory itself. Metrics of a resumed run are written
-once per step: `metrics_purge_step` and `purge_metrics` drop the rows the resumed run will write
-again.
+outputs by name (`RUN_OUTPUTS`), never the directory itself, and only once the new run is built:
+`StartOver` first moves them aside into `.rljax-replaced/`, puts them back if the new start
+fails (or is killed: `recover_replaced` on the next start), and deletes them only then.
+Metrics of a resumed run are written once per step: `metrics_purge_step` and `purge_metrics`
+drop the rows the resumed run will write again.
 """
 from __future__ import annotations
 
@@ -40,8 +46,11 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"        # written last: a run with it has done everything
+REPLACED_DIR = ".rljax-replaced"     # an earlier run's outputs while a start over is being built
 # What a run writes into its directory (globs); starting over deletes exactly these.
-RUN_OUTPUTS = (CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, "tb", "hf", "eval_*.jsonl")
+RUN_OUTPUTS = (CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, "tb", "hf", "peft", "eval_*.jsonl", SUMMARY_FILE, "wandb",
+               "wandb_run_id")
 
 # Dotted field names (or section prefixes) that may change between a run and its resumption.
 RESUME_MAY_DIFFER = (
@@ -54,6 +63,7 @@ RESUME_MAY_DIFFER = (
     "model.remat", "model.attention",
     "rewards.num_workers", "tools.num_workers",
     "optim.max_consecutive_skips",
+    "train.stop_signals",
 )
 
 _STEP_RE = re.compile(r"^(0|[1-9]\d*)$")
@@ -70,13 +80,15 @@ class RunDir:
   out_dir: the run directory. latest_step: its latest complete checkpoint (None: none).
   resuming: training continues from latest_step. start_over: an earlier run's outputs are there
   and this start replaces them (checkpoint.resume=False or overwrite). previous: the earlier run's
-  saved config (a dict), or None.
+  saved config (a dict), or None. finishing: the run reached train.steps but was stopped before
+  it had done everything after its last step (no summary.json); resuming it completes that.
   """
   out_dir: str
   latest_step: int | None
   resuming: bool
   start_over: bool
   previous: dict | None
+  finishing: bool = False
 
 
 # ---- reading a run directory ------------------------------------------------------------------
@@ -221,13 +233,56 @@ def check_resume(config, out_dir: str | None = None, *, overwrite: bool = False,
     log.warning("%s has checkpoints but no saved config (%s); resuming without comparing configs.",
                 out_dir, CONFIG_FILE)
   steps = config.train.steps
-  if latest >= steps and not allow_finished:
+  finishing = latest == steps and finished_summary(out_dir, latest) is None
+  if latest >= steps and not finishing and not allow_finished:
     raise RunFinished(
         f"the run in {out_dir} is finished: its latest checkpoint is step {latest} and train.steps={steps}, "
         f"so there is nothing to train. To train it further, raise train.steps (e.g. "
         f"--config.train.steps={latest + max(steps, 1)}); to train again from the start, add --overwrite; or "
         "pick a new output.dir.")
-  return RunDir(out_dir, latest, resuming=True, start_over=False, previous=previous)
+  return RunDir(out_dir, latest, resuming=True, start_over=False, previous=previous, finishing=finishing)
+
+
+# ---- the end of a run ----------------------------------------------------------------------------
+
+
+def finished_summary(out_dir: str, step: int | None = None) -> dict | None:
+  """The summary a run wrote when it had done everything (`summary.json`), or None: none there, or
+  one written before the run's checkpoint `step` (an earlier, shorter attempt's)."""
+  try:
+    with open(os.path.join(out_dir, SUMMARY_FILE), encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(data, dict) or (step is not None and not data.get("step", -1) >= step):
+    return None
+  return data
+
+
+def write_summary(out_dir: str, step: int, summary: Mapping[str, Any]) -> str:
+  """Writes `summary.json` (the run's end: its step, the evaluations, where its outputs are), last of
+  all a run writes: its presence marks a finished run. Returns the path."""
+  path = os.path.join(out_dir, SUMMARY_FILE)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump({"step": int(step), **summary}, f, indent=1, sort_keys=True, default=str)
+  os.replace(tmp, path)
+  return path
+
+
+def logged_eval(metrics_path: str, step: int) -> dict[str, float] | None:
+  """The evaluation logged at `step` in metrics.jsonl (`eval/x` -> `x`), or None: how a resumed run
+  recovers its evaluation before training (step 0) for the summary."""
+  try:
+    with open(metrics_path, encoding="utf-8") as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  except (OSError, ValueError):
+    return None
+  found = {}
+  for row in rows:
+    if isinstance(row, dict) and row.get("step") == step:
+      found.update({k[5:]: v for k, v in row.items() if k.startswith("eval/") and isinstance(v, (int, float))})
+  return found or None
 
 
 def _outputs_text() -> str:
@@ -240,6 +295,69 @@ def run_outputs(out_dir: str) -> list[str]:
   for pattern in RUN_OUTPUTS:
     found += sorted(glob.glob(os.path.join(glob.escape(out_dir), pattern)))
   return found
+
+
+class StartOver:
+  """Replaces an earlier run's outputs without losing them to a start that fails.
+
+  `set_aside()` moves the outputs (RUN_OUTPUTS) into `<out_dir>/.rljax-replaced/` (renames: no
+  copy); `restore()` puts them back (the new start failed); `commit()` deletes them (the new run
+  is built and about to write). A process killed in between leaves them set aside, and the next
+  start puts them back (`recover_replaced`).
+  """
+
+  def __init__(self, out_dir: str):
+    self.out_dir = out_dir
+    self.aside = os.path.join(out_dir, REPLACED_DIR)
+    self.moved: list[str] = []
+
+  def set_aside(self) -> list[str]:
+    """Moves the outputs aside; returns their names."""
+    os.makedirs(self.aside, exist_ok=True)
+    for path in run_outputs(self.out_dir):
+      name = os.path.basename(path)
+      os.replace(path, os.path.join(self.aside, name))
+      self.moved.append(name)
+    return list(self.moved)
+
+  def restore(self) -> None:
+    _restore_aside(self.out_dir)
+    self.moved = []
+
+  def commit(self) -> None:
+    shutil.rmtree(self.aside, ignore_errors=True)
+    self.moved = []
+
+
+def _restore_aside(out_dir: str) -> list[str]:
+  aside = os.path.join(out_dir, REPLACED_DIR)
+  try:
+    names = sorted(os.listdir(aside))
+  except FileNotFoundError:
+    return []
+  restored = []
+  for name in names:
+    src, dst = os.path.join(aside, name), os.path.join(out_dir, name)
+    if os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst):
+      os.rmdir(dst)    # an empty directory the failed start made (e.g. checkpoints/)
+    if not os.path.lexists(dst):
+      os.replace(src, dst)
+      restored.append(name)
+  left = os.listdir(aside)
+  if left:   # a name the failed start wrote again: keep both, and say where the earlier one is
+    log.warning("%s: the earlier run's %s stay in %s (the same names exist in the run directory)", out_dir,
+                ", ".join(sorted(left)), aside)
+  else:
+    os.rmdir(aside)
+  return restored
+
+
+def recover_replaced(out_dir: str) -> list[str]:
+  """Puts back the outputs of an earlier run that a killed start-over had set aside (see
+  `StartOver`); returns their names (empty: nothing was set aside)."""
+  if not os.path.isdir(os.path.join(out_dir, REPLACED_DIR)):
+    return []
+  return _restore_aside(out_dir)
 
 
 def clear_run(out_dir: str) -> list[str]:
@@ -291,3 +409,28 @@ def purge_metrics(path: str, purge_step: int) -> int:
       f.writelines(kept)
     os.replace(tmp, path)
   return dropped
+
+
+def drop_eval_rows(path: str, step: int) -> int:
+  """Drops the rows of metrics.jsonl at `step` that hold only evaluation figures (`eval/*`): a run
+  completing its end logs its evaluation after training again. Returns how many were dropped."""
+  if not os.path.isfile(path):
+    return 0
+  with open(path, encoding="utf-8") as f:
+    lines = [line for line in f if line.strip()]
+  kept = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except ValueError:
+      kept.append(line)
+      continue
+    if not (isinstance(row, dict) and row.get("step") == step and len(row) > 1
+            and all(k == "step" or k.startswith("eval/") for k in row)):
+      kept.append(line if line.endswith("\n") else line + "\n")
+  if len(kept) != len(lines):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+  return len(lines) - len(kept)

@@ -145,10 +145,11 @@ def _read_json(path: str) -> dict:
 
 
 def sampling_params(cfg, tokenizer: Tokenizer | Sequence[int], *, greedy=False, max_new_tokens=None,
-                    num_samples=None, temperature=None, stops=True) -> SamplingParams:
+                    num_samples=None, temperature=None, stops=True, slots=0) -> SamplingParams:
   """SamplingParams from config.sampling. tokenizer: its `stop_ids` end a completion, with
   config.sampling.stop_token_ids (or pass the stop ids themselves); `stops=False` drops them all
-  (sampling.ignore_eos)."""
+  (sampling.ignore_eos). slots: the decode slots (the rollouts pass sampling.slots; evaluation,
+  whose batches are other sizes, decodes every row)."""
   s = cfg.sampling
   temp = s.temperature if temperature is None else temperature
   ids = getattr(tokenizer, "stop_ids", tokenizer)
@@ -156,7 +157,8 @@ def sampling_params(cfg, tokenizer: Tokenizer | Sequence[int], *, greedy=False, 
       num_samples=num_samples or s.num_samples, max_new_tokens=max_new_tokens or s.max_new_tokens,
       temperature=temp if temp > 0 else 1.0, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
       greedy=greedy or temp == 0,
-      stop_token_ids=tuple(sorted(set(ids) | {int(i) for i in s.stop_token_ids})) if stops else ())
+      stop_token_ids=tuple(sorted(set(ids) | {int(i) for i in s.stop_token_ids})) if stops else (),
+      slots=slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +206,7 @@ def build(config: ml_collections.ConfigDict, model: ModelConfig, tokenizer: Toke
   if config.model.path != "random" and isinstance(tokenizer, Tokenizer):
     check_bos(model.architecture, tokenizer, config.data.chat_template)   # pretrained Gemma: <bos> first
   t = config.train
-  sp = sampling_params(config, tokenizer, stops=not config.sampling.ignore_eos)
+  sp = sampling_params(config, tokenizer, stops=not config.sampling.ignore_eos, slots=config.sampling.slots)
   recompute = config_lib.recompute_old_logprobs(config)
   spec = StepSpec(model=model, sampling=sp, loss=config_lib.loss_config(config), prompts=t.prompts_per_step,
                   mini_batches=t.mini_batches, epochs=t.epochs, micro_batches=t.micro_batches,
@@ -313,12 +315,14 @@ def update_program(setup: Setup, mesh, shardings: TrainState):
 
 
 def train_step_program(setup: Setup, mesh, shardings: TrainState,
-                       reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]):
+                       reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]], inputs_shardings=None):
   """The fused step (sample -> rewards -> update), jitted with the state donated:
-  `(state, prompt_ids [P*O, Lp], prompt_mask) -> (state, metrics)`. reward_fn: the reward
-  pool's io_callback bridge, or the plan's `stand_in_reward_fn`."""
+  `(state, prompt_ids [P*O, Lp], prompt_mask[, reward_inputs]) -> (state, metrics)`. reward_fn: the
+  reward pool's io_callback bridge, or the plan's `stand_in_reward_fn`. inputs_shardings: those of
+  the reward inputs of in-graph reward models and judges (`RewardFn.graph_inputs`), which the
+  step then takes as its fourth argument."""
   step = make_train_step(setup.spec, setup.optimizer, reward_fn, setup.schedule, mesh=mesh)
-  return jit_train_step(step, shardings, prompt_sharding(setup, mesh))
+  return jit_train_step(step, shardings, prompt_sharding(setup, mesh), inputs_shardings)
 
 
 def stand_in_reward_fn(components: int):

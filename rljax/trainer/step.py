@@ -35,7 +35,7 @@ from rljax.models.transformer import positions_from_mask
 from rljax.rl import LossConfig, chunked_logprobs, compute_advantages, kl_penalty, make_denominators, policy_loss
 from rljax.rl.metrics import Metrics
 from rljax.rollout.draw import SamplingParams
-from rljax.rollout.sampler import make_generate_fn
+from rljax.rollout.sampler import make_generate_fn, sampler_metrics
 from rljax.rollout.types import Rollout
 from rljax.trainer import packing
 from rljax.trainer.optim import skip_counts
@@ -263,8 +263,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skipped = skip_counts(opt_state)
-    metrics = metrics.with_values(loss=loss, grad_norm=optax.tree.norm(grads),
-                                  skipped=(skipped["total"] > skip_counts(state.opt_state)["total"]).astype(jnp.float32))
+    skipped_now = (skipped["total"] > skip_counts(state.opt_state)["total"]).astype(jnp.float32)
+    metrics = metrics.with_values(loss=loss, grad_norm=optax.tree.norm(grads), skipped=skipped_now)
     if learning_rate_fn is not None:
       metrics = metrics.with_values(learning_rate=learning_rate_fn(state.step * updates_per_step + index))
     return state.replace(params=params, opt_state=opt_state), metrics
@@ -304,6 +304,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     with shd.activate(mesh):
       metrics = {"sampler/tokens": rollout.lengths.sum().astype(jnp.float32),
                  "sampler/entropy": _masked_mean(rollout.entropy, rollout.mask)}
+      if rollout.decode_step is not None:
+        metrics.update(sampler_metrics(rollout, spec.sampling))
       if spec.oversample > 1:
         rollout, dyn = _select_groups(spec, rollout)
         metrics.update(dyn)
@@ -369,28 +371,33 @@ def make_train_step(spec: StepSpec, optimizer: optax.GradientTransformation,
                     reward_fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
                     learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None, *,
                     mesh: jax.sharding.Mesh | None = None):
-  """Builds the fused `step(state, prompt_ids [P*O, Lp], prompt_mask [P*O, Lp]) -> (state, metrics)`.
+  """Builds the fused `step(state, prompt_ids [P*O, Lp], prompt_mask [P*O, Lp][, reward_inputs]) -> (state, metrics)`.
 
-  `reward_fn(tokens [N, T], lengths [N]) -> (rewards [N] f32, components [N, K] f32)` is the io_callback bridge of
-  the reward pool. The returned function is not jitted; the caller jits it with shardings and
-  donation (see `jit_train_step`).
+  `reward_fn(tokens [N, T], lengths [N][, reward_inputs]) -> (rewards [N] f32, components [N, K] f32)` is the
+  io_callback bridge of the reward pool; `reward_inputs` (`reward_fn.graph_inputs`: the reward models' and judges'
+  parameters and prompt pieces) lets it score the rows with those models in this program first. The returned
+  function is not jitted; the caller jits it with shardings and donation (see `jit_train_step`).
   """
   generate = make_generate_fn(spec, mesh)
   update = make_update_fn(spec, optimizer, learning_rate_fn, mesh=mesh)
 
-  def step(state: TrainState, prompt_ids, prompt_mask):
+  def step(state: TrainState, prompt_ids, prompt_mask, reward_inputs=None):
     rollout = generate(state.model_params(), rollout_key(state.rng, state.step), prompt_ids, prompt_mask)
     with shd.activate(mesh):
-      rollout = rollout.with_rewards(*reward_fn(rollout.tokens, rollout.lengths))
+      scores = reward_fn(rollout.tokens, rollout.lengths) if reward_inputs is None else \
+          reward_fn(rollout.tokens, rollout.lengths, reward_inputs)
+      rollout = rollout.with_rewards(*scores)
     return update(state, rollout)
 
   return step
 
 
-def jit_train_step(step_fn, state_shardings=None, batch_sharding=None):
-  """jit with the state donated (its buffers are reused for the new state)."""
+def jit_train_step(step_fn, state_shardings=None, batch_sharding=None, inputs_shardings=None):
+  """jit with the state donated (its buffers are reused for the new state); `inputs_shardings`: those
+  of the reward inputs (the step then takes them as its fourth argument)."""
   kwargs = {}
   if state_shardings is not None:
-    kwargs = dict(in_shardings=(state_shardings, batch_sharding, batch_sharding),
+    ins = (state_shardings, batch_sharding, batch_sharding)
+    kwargs = dict(in_shardings=ins if inputs_shardings is None else ins + (inputs_shardings,),
                   out_shardings=(state_shardings, None))
   return jax.jit(step_fn, donate_argnums=(0,), **kwargs)

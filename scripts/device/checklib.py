@@ -214,26 +214,20 @@ def build_workload(cfg, mesh=None, seed: int = 0, params=None) -> Workload:
   """The sampler and the learner exactly as `rljax plan` compiles them (rljax.plan.programs), jitted
   with the plan's shardings, and a train state of random weights (or `params`, host arrays)."""
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
   from rljax import sharding as shd
   from rljax.models.policy import init_params, param_shardings
   from rljax.plan import programs as progs
-  from rljax.trainer.state import TrainState
+  from rljax.trainer import setup as setup_lib
   run = progs.build_run(cfg)
   mesh = mesh if mesh is not None else shd.make_mesh(tuple(cfg.mesh.shape))
   inputs = progs.build_inputs(run, mesh)
   psh = param_shardings(run.model, mesh)
   if params is None:
     params = jax.jit(lambda k: init_params(run.model, k), out_shardings=psh)(jax.random.key(seed))
-  else:
-    params = jax.device_put(params, psh)
-  ref = run.needs_reference
-  state = jax.jit(lambda p: TrainState.create(p, run.optimizer, seed, ref_params=p if ref else None),
-                  out_shardings=inputs.state_sh)(params)
-  generate = jax.jit(progs.make_generate(run, mesh), out_shardings=inputs.rollout_sh)
-  update = jax.jit(progs.make_update(run, mesh), donate_argnums=(0,),
-                   out_shardings=(inputs.state_sh, NamedSharding(mesh, P())))
+  state, state_sh = setup_lib.init_state(run.setup, params, mesh)
+  generate = setup_lib.generate_program(run.setup, mesh)
+  update = setup_lib.update_program(run.setup, mesh, state_sh)
   return Workload(run, mesh, inputs, state, generate, update)
 
 

@@ -26,8 +26,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from checklib import ROOT, Context, Recorder, finite  # noqa: E402
 import report  # noqa: E402
+from checklib import ROOT, Context, Recorder, finite  # noqa: E402
 
 # name, "module:function", timeout on the GPU (s), timeout with --cpu (s). In priority order: a run
 # that is short of time drops the parts at the end (TRL's step, the least needed, is last). The CPU

@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 import numpy as np
-
-from checklib import CUDA_ONLY, Context, Recorder, build_workload, load_run_config, median, random_prompts, \
-    replicated_key, timed
+from checklib import (
+  CUDA_ONLY,
+  Context,
+  Recorder,
+  build_workload,
+  load_run_config,
+  median,
+  random_prompts,
+  replicated_key,
+  timed,
+)
 
 
 def _qkv(shape, seed=0):
@@ -130,8 +138,8 @@ def logprobs(rec: Recorder, ctx: Context) -> None:
   cases = [("fp32", "float32", None), ("fp32, matmul precision highest", "float32", "highest"),
            ("bf16", "bfloat16", None)]
   from rljax.models.policy import init_params
-  from rljax.plan.programs import model_config
-  mc, _ = model_config(load_run_config(_gap_overrides(ctx, "float32")))
+  from rljax.trainer.setup import read_model_config
+  mc, _, _ = read_model_config(load_run_config(_gap_overrides(ctx, "float32")))
   params = jax.device_get(jax.jit(lambda k: init_params(mc, k))(jax.random.key(0)))
   params = jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, params)
   for label, dtype, precision in cases:

@@ -15,8 +15,24 @@ import os
 import subprocess
 import sys
 
-from checklib import GIB, RECIPE, ROOT, Context, Recorder, build_workload, finite, load_run_config, median, \
-    memory_stats, override_args, random_prompts, replicated_key, run_overrides, step_flops, timed
+from checklib import (
+  GIB,
+  RECIPE,
+  ROOT,
+  Context,
+  Recorder,
+  build_workload,
+  finite,
+  load_run_config,
+  median,
+  memory_stats,
+  override_args,
+  random_prompts,
+  replicated_key,
+  run_overrides,
+  step_flops,
+  timed,
+)
 
 
 def _settings(ctx: Context, model: str) -> dict:
@@ -42,7 +58,7 @@ def _speed(rec: Recorder, ctx: Context, model: str) -> None:
   import jax
 
   from rljax import flops
-  from rljax.plan.programs import stand_in_rewards
+  from rljax.trainer.setup import stand_in_reward_fn
   s = _settings(ctx, model)
   rec.guarded(f"Qwen2.5-{model.upper()} shape", lambda: _shape_row(rec, model))
   if ctx.cpu and model != "0.5b":
@@ -68,7 +84,7 @@ def _speed(rec: Recorder, ctx: Context, model: str) -> None:
       values = {"tokens_per_s": tokens / t, "sample_mfu": work["sample"] / t / peak, "sample_s": t,
                 "sample_compile_s": first - t}
       if rows in s["learner"]:
-        scored = rollout.with_rewards(*stand_in_rewards(rollout, w.run.components))
+        scored = rollout.with_rewards(*stand_in_reward_fn(w.run.components)(rollout.tokens, rollout.lengths))
         holder = {"state": w.state}
 
         def update():
@@ -98,8 +114,8 @@ def _speed(rec: Recorder, ctx: Context, model: str) -> None:
 def _shape_row(rec: Recorder, model: str) -> None:
   """The model's shape from its config.json (scripts/model_configs), as rljax reads it."""
   from rljax import flops
-  from rljax.plan.programs import model_config
-  mc, source = model_config(load_run_config(run_overrides(model, 1, 8, 128, 256, cpu=False)))
+  from rljax.trainer.setup import read_model_config
+  mc, source, _ = read_model_config(load_run_config(run_overrides(model, 1, 8, 128, 256, cpu=False)))
   rec.row(f"Qwen2.5-{model.upper()} shape", "ok",
           {"params_b": mc.num_params / 1e9, "layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_heads,
            "kv_heads": mc.num_kv_heads, "vocab": mc.vocab_size,

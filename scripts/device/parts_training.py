@@ -8,9 +8,17 @@ import os
 import time
 
 import numpy as np
-
-from checklib import TINY_RANDOM, Context, Recorder, build_workload, finite, load_run_config, random_prompts, \
-    replicated_key, write_word_tokenizer
+from checklib import (
+  TINY_RANDOM,
+  Context,
+  Recorder,
+  build_workload,
+  finite,
+  load_run_config,
+  random_prompts,
+  replicated_key,
+  write_word_tokenizer,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+
 def _fmt(v) -> str:
   if isinstance(v, bool) or v is None:
     return str(v)

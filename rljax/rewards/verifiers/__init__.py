@@ -11,6 +11,18 @@
   overlong    DAPO soft overlong punishment (token counts)
   majority    group-aware consensus with the other completions of the prompt
   tool_use    per-trajectory tool-call counts and errors (multi-turn tool use)
+  remote_judge  a judge model behind an OpenAI-compatible HTTP endpoint (batch kind)
 """
-from rljax.rewards.verifiers import (arith, choice, code_exec, fmt, gsm8k, majority, math_answer,  # noqa: F401
-                                     overlong, similarity, tool_use)
+from rljax.rewards.verifiers import (  # noqa: F401
+                                     arith,
+                                     choice,
+                                     code_exec,
+                                     fmt,
+                                     gsm8k,
+                                     majority,
+                                     math_answer,
+                                     overlong,
+                                     remote_judge,
+                                     similarity,
+                                     tool_use,
+)

@@ -5,8 +5,14 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rljax.rewards.base import RewardResult, register_verifier
-from rljax.rewards.verifiers._answers import (answer_phrase, answer_tag, first_number, last_boxed, last_number,
-                                              to_fraction)
+from rljax.rewards.verifiers._answers import (
+  answer_phrase,
+  answer_tag,
+  first_number,
+  last_boxed,
+  last_number,
+  to_fraction,
+)
 
 
 def extract_number(text: str) -> str | None:
