@@ -69,7 +69,8 @@ class TrainBatch:
   """What the optimizer updates consume: a scored rollout's training view.
 
   prompt_ids, prompt_mask: [N, Lp]; tokens, mask, context_mask: [N, T]; lp_old, lp_samp: [N, T]
-  f32; truncated: [N] bool; adv: [N] f32; lp_ref: [N, T] f32 or None (no reference model).
+  f32; truncated: [N] bool; adv: [N] f32; lp_ref: [N, T] f32 or None (no reference model);
+  routes: the sampler's experts [N, Lp + T, L_moe, k] to replay (`Rollout.routes`), or None.
   """
   prompt_ids: jax.Array
   prompt_mask: jax.Array
@@ -81,16 +82,18 @@ class TrainBatch:
   truncated: jax.Array
   adv: jax.Array
   lp_ref: Any = None
+  routes: Any = None
 
 
-def sequence_forward(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None):
+def sequence_forward(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None, routes=None):
   """`sequence_logprobs` and the model's auxiliary losses of the same forward: (lp, ent, aux_losses),
-  aux_losses the `ModelOutput.aux_losses` dict (empty for dense models)."""
+  aux_losses the `ModelOutput.aux_losses` dict (empty for dense models). routes: [B, Lp + T,
+  L_moe, k] experts to replay (routing replay: the sampler's, `Rollout.routes`), or None."""
   lp_len = prompt_ids.shape[1]
   seq = jnp.concatenate([prompt_ids, tokens], axis=1)
   seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
   out = apply_model(spec.model, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True,
-                    dropout_rng=dropout_rng)
+                    dropout_rng=dropout_rng, routes=routes)
   hidden = jax.lax.dynamic_slice_in_dim(out.hidden, lp_len - 1, tokens.shape[1], axis=1)
   lp, ent = chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
                              temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
@@ -98,15 +101,16 @@ def sequence_forward(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, ma
   return lp, ent, out.aux_losses
 
 
-def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None):
+def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None, routes=None):
   """Teacher-forced log-probs and entropies of the completion tokens.
 
   prompt_ids/prompt_mask: [B, Lp] (left-padded); tokens/mask: [B, T], mask the completion
   tokens the model sees (a rollout's `context_mask`). Returns (lp, ent): [B, T] float32 each,
   under logits / temperature, without materialising [B, T, V] (chunked over the vocabulary).
-  dropout_rng: the LoRA dropout key of a training forward (None: no dropout).
+  dropout_rng: the LoRA dropout key of a training forward (None: no dropout). routes: experts to
+  replay (`sequence_forward`).
   """
-  lp, ent, _ = sequence_forward(spec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng)
+  lp, ent, _ = sequence_forward(spec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng, routes)
   return lp, ent
 
 
@@ -182,13 +186,14 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
   lora_dropout = spec.model.lora is not None and spec.model.lora.dropout > 0
 
   def logprobs(params, b, dropout_rng=None):
-    return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask, dropout_rng)
+    return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask, dropout_rng,
+                             b.routes)
 
   def loss_fn(trainable, frozen, mb: TrainBatch, den, key, total_tokens):
     # Under LoRA `trainable` is the adapters and the gradient is theirs alone; `frozen` is None otherwise.
     params = trainable if frozen is None else lora.join(frozen, trainable)
     lp, ent, aux = sequence_forward(spec, params, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.context_mask,
-                                    key if lora_dropout else None)
+                                    key if lora_dropout else None, mb.routes)
     loss, metrics = policy_loss(lp, mb.lp_old, mb.adv, mb.mask, den, cfg, lp_ref=mb.lp_ref, lp_samp=mb.lp_samp,
                                 entropy=ent, truncated=mb.truncated)
     return add_aux_losses(loss, metrics, aux, _real_tokens(mb.prompt_mask, mb.context_mask) / total_tokens)
@@ -221,12 +226,15 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     bins = max(1, spec.pack_tokens // width)
     layout = packing.pack(batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.context_mask, bins)
     t = batch.tokens.shape[1]
+    routes = None if batch.routes is None else packing.pack_values(
+        layout, batch.prompt_mask, batch.context_mask, batch.routes, spec.model.moe.num_experts)
 
     def block_loss(trainable, k):
       params = trainable if frozen is None else lora.join(frozen, trainable)
       tok, seg, pos = (shd.constrain(x, ("batch", "length")) for x in packing.block_inputs(layout, k, bins))
       out = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True,
-                        dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None)
+                        dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None,
+                        routes=None if routes is None else packing.block_values(routes, k, bins))
       lp, ent = chunked_logprobs(out.hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
                                  temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
                                  softcap=spec.model.final_logit_softcap)
@@ -275,8 +283,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     lp_ref = None
     rewards_pg = rollout.rewards.reshape(-1, g)
     reference = state.ref_params if state.frozen is None or not cfg.needs_reference else state.reference_params()
-    if reference is not None:
-      lp_ref, _ = logprobs(reference, rollout_view(rollout))
+    if reference is not None:   # the reference model routes its own tokens (no replay)
+      lp_ref, _ = logprobs(reference, rollout_view(rollout).replace(routes=None))
       lp_ref = jax.lax.stop_gradient(lp_ref)
       if cfg.kl_in_reward:
         kl = (kl_penalty(rollout.logprobs, lp_ref, rollout.mask, cfg.kl_estimator) * rollout.mask).sum(-1)
@@ -289,6 +297,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
       # sampler's log-probs (the behaviour policy) enter through the truncated IS weight (tis_cap).
       lp_old, _ = logprobs(state.model_params(), rollout_view(rollout))
       lp_old = jax.lax.stop_gradient(lp_old)
+      if spec.gap_rows:   # on-policy: lp_old is the learner's forward on the sampler's parameters
+        metrics.update(_gap_metrics(lp_old[:spec.gap_rows], rollout, spec.gap_rows))
     else:
       # The sampler ran the same model code on the same parameters: its log-probs are lp_old
       # (exact in fp32; `sampler/logprob_gap_*` measures how far that holds in this dtype).
@@ -297,7 +307,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
         metrics.update(_logprob_gap(logprobs, state.model_params(), rollout, spec.gap_rows))
     batch = TrainBatch(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, tokens=rollout.tokens,
                        mask=rollout.mask, context_mask=rollout.context_mask, lp_old=lp_old, lp_samp=rollout.logprobs,
-                       truncated=rollout.truncated, adv=adv.reshape(-1), lp_ref=lp_ref)
+                       truncated=rollout.truncated, adv=adv.reshape(-1), lp_ref=lp_ref, routes=rollout.routes)
     return batch, metrics
 
   def update(state: TrainState, rollout: Rollout):
@@ -330,7 +340,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
 
 def rollout_view(rollout: Rollout):
   """The fields `sequence_logprobs` reads, under the names TrainBatch uses."""
-  return _LogprobView(rollout.prompt_ids, rollout.prompt_mask, rollout.tokens, rollout.context_mask)
+  return _LogprobView(rollout.prompt_ids, rollout.prompt_mask, rollout.tokens, rollout.context_mask, rollout.routes)
 
 
 @flax.struct.dataclass
@@ -339,6 +349,7 @@ class _LogprobView:
   prompt_mask: jax.Array
   tokens: jax.Array
   context_mask: jax.Array
+  routes: Any = None
 
 
 def _advantage_metric_name(name: str) -> str:
@@ -360,6 +371,11 @@ def _logprob_gap(logprobs, params, rollout: Rollout, rows: int) -> dict[str, jax
   """
   view = jax.tree.map(lambda x: x[:rows], rollout_view(rollout))
   lp, _ = logprobs(params, view)
+  return _gap_metrics(lp, rollout, rows)
+
+
+def _gap_metrics(lp, rollout: Rollout, rows: int) -> dict[str, jax.Array]:
+  """`sampler/logprob_gap_*` of the learner's log-probs lp [rows, T] against the sampler's."""
   mask = rollout.mask[:rows]
   diff = jnp.abs(jax.lax.stop_gradient(lp) - rollout.logprobs[:rows])
   return {"sampler/logprob_gap_mean": _masked_mean(diff, mask),
