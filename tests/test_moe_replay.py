@@ -124,15 +124,21 @@ def _smoke(tmp_path, *overrides):
   return cfg
 
 
-def _rewards(summary):
+def _metrics(summary):
   with open(summary["metrics_file"]) as f:
-    return [m["reward/mean"] for m in map(json.loads, f) if "reward/mean" in m]
+    return [m for m in map(json.loads, f) if "reward/mean" in m]
 
 
 def test_tiny_moe_learns_the_smoke_task_fused_and_runs_async(tmp_path):
   """bf16 with routing replay (auto): fused on the 8-device mesh, the reward rises (measured 0.37
-  -> 0.75 in 10 steps); the async mode's decoupled update takes the recorded routes across meshes."""
-  rewards = _rewards(Trainer(_smoke(tmp_path / "fused", "train.steps=10")).run())
+  -> 0.75 in 10 steps) and the routing metrics are logged; the async mode's decoupled update takes
+  the recorded routes across meshes."""
+  metrics = _metrics(Trainer(_smoke(tmp_path / "fused", "train.steps=10")).run())
+  rewards = [m["reward/mean"] for m in metrics]
   assert len(rewards) == 10 and np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards
-  rewards = _rewards(Trainer(_smoke(tmp_path / "async", "train.steps=1", "rollout.mode='async'")).run())
-  assert len(rewards) == 1 and np.isfinite(rewards[0])
+  first = metrics[0]   # routing figures of the learner's forwards (8 experts: entropy <= ln 8)
+  assert first["moe/expert_load_max"] >= 1.0 >= first["moe/expert_load_min"] >= 0.0
+  assert 0.0 < first["moe/router_entropy"] <= np.log(8) + 1e-6
+  assert "sampler/logprob_gap_mean" in first   # on-policy bf16: measured from the recomputed lp_old
+  metrics = _metrics(Trainer(_smoke(tmp_path / "async", "train.steps=1", "rollout.mode='async'")).run())
+  assert len(metrics) == 1 and np.isfinite(metrics[0]["loss"])

@@ -86,9 +86,9 @@ class TrainBatch:
 
 
 def sequence_forward(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None, routes=None):
-  """`sequence_logprobs` and the model's auxiliary losses of the same forward: (lp, ent, aux_losses),
-  aux_losses the `ModelOutput.aux_losses` dict (empty for dense models). routes: [B, Lp + T,
-  L_moe, k] experts to replay (routing replay: the sampler's, `Rollout.routes`), or None."""
+  """`sequence_logprobs` and the forward's `ModelOutput` (its auxiliary losses and router
+  statistics, empty for dense models): (lp, ent, out). routes: [B, Lp + T, L_moe, k] experts to
+  replay (routing replay: the sampler's, `Rollout.routes`), or None."""
   lp_len = prompt_ids.shape[1]
   seq = jnp.concatenate([prompt_ids, tokens], axis=1)
   seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
@@ -98,7 +98,7 @@ def sequence_forward(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, ma
   lp, ent = chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
                              temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
                              softcap=spec.model.final_logit_softcap)
-  return lp, ent, out.aux_losses
+  return lp, ent, out
 
 
 def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None, routes=None):
@@ -124,6 +124,29 @@ def add_aux_losses(loss, metrics: Metrics, aux_losses: dict, share):
   metrics = metrics.with_values(**{f"aux_{name}": jax.lax.stop_gradient(share * value)
                                    for name, value in aux_losses.items()})
   return loss + share * sum(aux_losses.values()), metrics
+
+
+def add_router_metrics(metrics: Metrics, router: dict, share) -> Metrics:
+  """A mixture of experts' routing figures of one forward, from `ModelOutput.router` (load [L_moe, E],
+  entropy and tokens [L_moe]); dense models: metrics unchanged.
+
+  moe/expert_load_max, moe/expert_load_min: token copies of the busiest / idlest expert over the
+    mean per expert (1 = balanced), the extreme over the MoE layers and the step's forwards.
+  moe/router_entropy: the router's entropy per real token, averaged over the MoE layers
+    (share-weighted "sum", so an update's parts add up to its token-weighted mean; ln E = uniform).
+  """
+  if "load" not in router:
+    return metrics
+  load, tokens = router["load"], router["tokens"]
+  per_expert = jnp.maximum(jnp.sum(load, axis=-1, keepdims=True) / load.shape[-1], 1e-9)
+  rel = jax.lax.stop_gradient(load / per_expert)
+  seen = (tokens > 0)[:, None]
+  out = metrics.with_values()
+  out.add("moe/expert_load_max", jnp.max(jnp.where(seen, rel, -jnp.inf)), "max")
+  out.add("moe/expert_load_min", jnp.min(jnp.where(seen, rel, jnp.inf)), "min")
+  entropy = jnp.sum(router["entropy"]) / jnp.maximum(jnp.sum(tokens), 1.0)
+  out.add("moe/router_entropy", jax.lax.stop_gradient(share * entropy))
+  return out
 
 
 def _real_tokens(prompt_mask, mask):
@@ -192,11 +215,12 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
   def loss_fn(trainable, frozen, mb: TrainBatch, den, key, total_tokens):
     # Under LoRA `trainable` is the adapters and the gradient is theirs alone; `frozen` is None otherwise.
     params = trainable if frozen is None else lora.join(frozen, trainable)
-    lp, ent, aux = sequence_forward(spec, params, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.context_mask,
+    lp, ent, out = sequence_forward(spec, params, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.context_mask,
                                     key if lora_dropout else None, mb.routes)
     loss, metrics = policy_loss(lp, mb.lp_old, mb.adv, mb.mask, den, cfg, lp_ref=mb.lp_ref, lp_samp=mb.lp_samp,
                                 entropy=ent, truncated=mb.truncated)
-    return add_aux_losses(loss, metrics, aux, _real_tokens(mb.prompt_mask, mb.context_mask) / total_tokens)
+    share = _real_tokens(mb.prompt_mask, mb.context_mask) / total_tokens
+    return add_aux_losses(loss, add_router_metrics(metrics, out.router, share), out.aux_losses, share)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -243,7 +267,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
       mask = batch.mask & (layout.block == k)[:, None]
       loss, metrics = policy_loss(lp, batch.lp_old, batch.adv, mask, den, cfg, lp_ref=batch.lp_ref,
                                   lp_samp=batch.lp_samp, entropy=ent, truncated=batch.truncated)
-      return add_aux_losses(loss, metrics, out.aux_losses, jnp.sum(seg > 0).astype(jnp.float32) / total_tokens)
+      share = jnp.sum(seg > 0).astype(jnp.float32) / total_tokens
+      return add_aux_losses(loss, add_router_metrics(metrics, out.router, share), out.aux_losses, share)
 
     block_grad = jax.value_and_grad(block_loss, has_aux=True)
     shapes = jax.eval_shape(block_loss, params, jnp.int32(0))[1]
