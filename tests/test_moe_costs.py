@@ -54,3 +54,31 @@ def test_parameter_counts_match_transformers_and_active_counts_k_experts():
   f = family("qwen3_moe")
   d, e, k, w = c.hidden_size, c.moe.num_experts, c.moe.experts_per_token, c.moe.intermediate_size
   assert c.num_params - f.active_params(c) == 2 * 3 * (e - k) * d * w   # 2 MoE layers, E - k idle experts
+
+
+def test_plan_reports_the_experts_share_of_parameters_and_optimizer_state_per_chip():
+  import contextlib
+  import io
+  import json
+
+  from test_plan import TINY
+
+  from rljax.plan import main
+  from rljax.plan.report import render_text
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    status = main(TINY + ["--config.model.random.architecture=qwen3_moe", "--topology", "cpu:8", "--program",
+                          "learner", "--json"])
+  plan = json.loads(out.getvalue())
+  assert status in (0, 3), out.getvalue()[-2000:]
+  moe = plan["model"]["moe"]
+  assert (moe["num_experts"], moe["experts_per_token"], moe["moe_layers"], moe["routing_replay"]) == (8, 2, 2, False)
+  assert moe["active_params"] < plan["model"]["params"]
+  learner = plan["programs"]["learner"]
+  # Random qwen3_moe: 8 experts of width 64 on hidden 48, 2 layers; fsdp 8 splits them by expert:
+  # each chip holds one whole expert per layer (gate, up, down), float32.
+  experts = 2 * 3 * 48 * 64 * 4
+  assert learner["expert_params_bytes"] == experts < learner["params_bytes"]
+  assert learner["expert_opt_state_bytes"] == 2 * experts   # AdamW's two moments
+  text = render_text(plan)
+  assert "of which experts" in text and "2 of 8 experts per token" in text
