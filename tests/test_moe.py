@@ -244,3 +244,16 @@ def test_replaying_the_models_own_routes_changes_nothing_and_other_routes_do(tin
   assert float(jnp.abs(moved.logits - out.logits).max()) > 1e-3
   unrecorded = jnp.full_like(own, 4)
   np.testing.assert_array_equal(apply_model(c, params, ids, pos, mask, routes=unrecorded).logits, out.logits)
+
+
+def test_sharded_load_reads_each_devices_experts(hf_dirs, policies):
+  """With a mesh, each device's block of the [E, D, F] kernels is read from its experts' tensors
+  (experts split over fsdp): the same parameters as the whole load."""
+  from rljax import sharding as shd
+  _, d, _ = hf_dirs["mlp_only"]
+  mesh = shd.make_mesh((2, 4, 1))
+  sharded = rljax.load_pretrained(d, mesh=mesh, tokenizer=False)
+  kernel = sharded.params["layers"]["moe"]["down_kernel"]
+  assert kernel.sharding.spec[1] == "fsdp" and kernel.addressable_shards[0].data.shape[1] == 2   # 8 experts / 4
+  for a, b in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(policies["mlp_only"].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
