@@ -115,3 +115,47 @@ def test_fsdp_across_two_processes_matches_one_process(tmp_path, one_process):
   """Parameters sharded over 2 processes (mesh (1, 2, 1): fsdp across them; it crashed with a
   gloo 'collective mismatch' while process 0 alone scored the batch)."""
   _assert_match(_two_processes(tmp_path / "fsdp", "mesh.shape=(1,-1,1)"), one_process)
+
+
+def test_pipelined_rollouts_across_two_processes_match_one_process(tmp_path, one_process):
+  """rollout.mode='pipelined' (max_staleness=0: the exact schedule) with the batch split over 2
+  processes: each process brings its own rows to the host, scores them and hands the rewards back
+  as its block of the global array; the run equals the one-process fused run."""
+  _assert_match(_two_processes(tmp_path / "pipelined", "rollout.mode='pipelined'", "rollout.max_staleness=0"),
+                one_process)
+
+
+def test_a_stop_signal_on_one_process_stops_both_after_the_same_step(tmp_path):
+  """A preemption notice (SIGTERM) that reaches only process 1 stops both processes after the same
+  step (they agree through an all-gather of the flag after every step), with one checkpoint of
+  that step, and each exits cleanly; without the agreement process 0 would wait in the next
+  step's collectives forever."""
+  import re
+  import signal
+  import time
+  out = tmp_path / "stopped"
+  port = _free_port()
+  env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}
+  workers = [_train(out, 1, {**env, "JAX_PROCESS_ID": str(i)}, True, "train.steps=200", "checkpoint.every=0")
+             for i in range(2)]
+  try:
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and '"loss"' in metrics.read_text()):   # a step is done: stop mid-run
+      assert time.monotonic() < deadline and all(w.poll() is None for w in workers), "no step finished"
+      time.sleep(0.5)
+    workers[1].send_signal(signal.SIGTERM)
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+  finally:
+    for w in workers:
+      w.kill()
+  assert [w.returncode for w in workers] == [0, 0], [o[-3000:] for o in outputs]
+  stopped = [re.search(r"stopped by (SIGTERM|a stop signal to another process of the run) after step (\d+) of 200", o)
+             for o in outputs]
+  assert all(stopped), [o[-3000:] for o in outputs]
+  step = int(stopped[0].group(2))
+  assert int(stopped[1].group(2)) == step < 200
+  assert stopped[0].group(1) != "SIGTERM" and stopped[1].group(1) == "SIGTERM"
+  assert "SIGTERM received" in outputs[1] and "SIGTERM received" not in outputs[0]
+  from rljax.trainer.checkpoint import Checkpointer
+  assert Checkpointer(os.path.join(out, "checkpoints"), read_only=True).latest_step() == step

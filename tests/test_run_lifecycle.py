@@ -21,7 +21,7 @@ from rljax.trainer import rundir
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SMOKE = os.path.join(ROOT, "rljax", "configs", "smoke.py")
 # 64 rows of 8 tokens at 40 ms each on one worker: ~2.6 s of scoring per step.
-SLOW = ('--config.rewards.components=[{"name": "vowels", "verifier": "rljax.configs.smoke:slow_vowel_fraction", '
+SLOW = ('--config.rewards.components=[{"name": "vowels", "verifier": "slow_verifier:slow_vowel_fraction", '
         '"weight": 1.0, "kwargs": {"delay_s": 0.04}}]')
 LIBTPU_NOISE = ("TPU accelerator type", "worker hostname", "libtpu")
 
@@ -29,7 +29,9 @@ LIBTPU_NOISE = ("TPU accelerator type", "worker hostname", "libtpu")
 def env():
   """The environment of a user's shell: no JAX_PLATFORMS (rljax must pick the CPU itself)."""
   e = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME")}
-  e["PYTHONPATH"] = os.path.abspath(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+  # scripts/ for the slow verifier (scripts/slow_verifier.py), as scripts/bench_rollouts.py does.
+  e["PYTHONPATH"] = os.pathsep.join([os.path.abspath(ROOT), os.path.join(os.path.abspath(ROOT), "scripts"),
+                                     e.get("PYTHONPATH", "")])
   return e
 
 

@@ -12,6 +12,7 @@ import ml_collections
 
 from rljax.errors import ConfigError
 from rljax.models.config import LoraConfig
+from rljax.objectives import CE_OBJECTIVES
 from rljax.rl.config import PRESETS, LossConfig
 from rljax.trainer import modes
 
@@ -40,6 +41,11 @@ def recompute_old_logprobs(c: ml_collections.ConfigDict) -> bool:
   sampler's log-probs are not the learner's; the learner's own lp_old plus a truncated IS weight
   against the sampler is the verl/TRL practice. In float32 they agree to ~1e-6 and the sampler's
   log-probs serve as lp_old (no recompute forward)."""
+  objective = c.train.objective
+  if objective in CE_OBJECTIVES:   # cross-entropy: no ratio, no lp_old
+    return False
+  if objective == "distill":   # its advantage is lp_teacher - lp_old, lp_old the learner's own (0 at teacher = student)
+    return True
   if c.rollout.proximal != "recompute":
     return False
   return max_staleness(c) > 0 or c.model.dtype != "float32"
@@ -60,12 +66,18 @@ def lora_config(c: ml_collections.ConfigDict) -> LoraConfig | None:
 def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
   """The LossConfig named by config.rl (a preset plus overrides).
 
+  Under train.objective 'sft' / 'rft' only rl.agg (default token-mean) and rl.agg_norm apply.
+
   Whenever lp_old is recomputed (off-policy modes with rollout.proximal='recompute', and runs
   in a dtype other than float32) and rl.tis_cap is unset, the truncated IS weight against the
   sampler is on with cap DEFAULT_OFF_POLICY_TIS_CAP (decoupled PPO, verl/TRL's TIS). With
   proximal='sampler', lp_old is the sampler's and the IS weight would be 1.
   """
   fields = {k: v for k, v in c.rl.to_dict().items() if v is not None}
+  if c.train.objective in CE_OBJECTIVES:
+    # Cross-entropy: only the aggregation is read (token-mean unless rl.agg says otherwise); no group statistics.
+    return LossConfig(mean_scope="none", std_scope="none", agg=fields.get("agg", "token-mean"),
+                      agg_norm=fields.get("agg_norm"))
   preset = fields.pop("preset", "grpo")
   if preset not in PRESETS:
     close = difflib.get_close_matches(str(preset), list(PRESETS), n=1)
@@ -74,6 +86,10 @@ def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
                       f"{', '.join(sorted(PRESETS))} (docs/loss.md describes each).")
   if recompute_old_logprobs(c):
     fields.setdefault("tis_cap", DEFAULT_OFF_POLICY_TIS_CAP)
+  if c.train.objective == "distill" and not c.distill.reward_weight:
+    # Pure distillation: the advantage is the per-token reverse KL alone; no reward group statistics
+    # (a group of one, sampling.num_samples=1, is fine).
+    fields.update(mean_scope="none", std_scope="none")
   try:
     return LossConfig.from_preset(preset, **fields)
   except ConfigError as e:

@@ -18,6 +18,7 @@ import ml_collections
 from rljax.data.config import SOURCE_KINDS
 from rljax.models import families
 from rljax.models.config import ATTENTION_IMPLS, MOE_DISPATCH, MOE_KERNELS
+from rljax.objectives import OBJECTIVES
 from rljax.rl.config import PRESETS, LossConfig
 from rljax.trainer import modes
 from rljax.trainer.optim import SCHEDULES
@@ -193,6 +194,10 @@ SCHEMA = Section(
     ),
     train=Section(
         "the step's shape and length of the run",
+        objective=Field("rl", " | ".join(OBJECTIVES) + ": the policy-gradient update (rl), supervised cross-entropy on "
+                        "the data's target responses (sft), cross-entropy on sampled completions whose reward reaches "
+                        "rft.min_reward (rft), on-policy distillation from distill.teacher (distill) "
+                        '(README "Beyond RL")'),
         steps=Field(10, "rollout steps (each: sample, score, 1+ optimizer updates)"),
         prompts_per_step=Field(8, "prompts sampled per step; completions = prompts * num_samples"),
         mini_batches=Field(1, "optimizer updates per rollout batch per epoch"),
@@ -205,6 +210,26 @@ SCHEMA = Section(
                          "refused without it", placeholder=int),
         stop_signals=Field(["SIGINT", "SIGTERM"], "signals that stop the run after the step in progress, with a "
                            "checkpoint (a second one exits at once); [] = die at once, the default behaviour"),
+    ),
+    sft=Section(
+        "train.objective='sft': supervised fine-tuning on target responses (README \"Beyond RL\")",
+        response_template=Field("{response}", "the target text of a row: {response} is the source's response field "
+                                "(data.sources[i].fields.response, default 'response'), {answer} its reference "
+                                "answer (procedural sources have no response: e.g. '{answer}'), or any fields.extra "
+                                "name. Rows with chat messages (fields.messages) train on their assistant turns "
+                                "instead. Targets longer than sampling.max_new_tokens tokens are skipped and counted"),
+    ),
+    rft=Section(
+        "train.objective='rft': rejection-sampling fine-tuning (expert iteration)",
+        min_reward=Field(1.0, "sampled rows whose reward is at least this are kept and trained on by cross-entropy; "
+                              "the rest get no gradient (rft/kept_fraction counts them)"),
+    ),
+    distill=Section(
+        "train.objective='distill': on-policy distillation (the student samples, the teacher scores every token)",
+        teacher=Field("", "the teacher: any model rljax loads (HF dir, .gguf, built-in name) with the student's "
+                          "vocabulary; frozen, sharded like the reference model, never optimised"),
+        reward_weight=Field(0.0, "adds reward_weight * the group advantage of the verifier rewards (rl.* scopes) to "
+                                 "the per-token advantage -(log p_student - log p_teacher); 0 = pure distillation"),
     ),
     rollout=Section(
         "How generation, scoring and updates are scheduled (docs/rollouts.md).",

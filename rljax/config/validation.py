@@ -7,6 +7,7 @@ supports from the registry rljax.trainer.modes).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,8 +19,10 @@ from rljax.config.schema import base_config
 from rljax.data.config import eval_reads_training_data
 from rljax.errors import ConfigError
 from rljax.models.config import ATTENTION_IMPLS, MOE_DISPATCH, MOE_KERNELS
+from rljax.objectives import CE_OBJECTIVES, OBJECTIVES
 from rljax.rewards.routing import source_verifiers_from_data
 from rljax.rewards.spec import RewardSpec
+from rljax.rl.config import LossConfig
 from rljax.tools.parsing import FORMATS as TOOL_FORMATS
 from rljax.trainer import modes
 from rljax.trainer.optim import SCHEDULES
@@ -84,6 +87,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.train.oversample={t.oversample} must be >= 1.")
   if len(c.mesh.shape) != 3:
     raise ConfigError(f"config.mesh.shape={tuple(c.mesh.shape)} must have 3 entries (data, fsdp, tensor).")
+  _validate_objective(c)
   _validate_group_size(c)
   _validate_rollout(c)
   _validate_tools(c)
@@ -137,8 +141,60 @@ def _validate_run_control(c: ml_collections.ConfigDict) -> None:
                       "would be logged to Weights & Biases: set output.wandb.project too, or leave them empty.")
 
 
+def _validate_objective(c: ml_collections.ConfigDict) -> None:
+  """train.objective and its own sections (sft, rft, distill): a section's field set under another objective
+  would be ignored, so it is refused; so are the RL settings the cross-entropy objectives do not read."""
+  objective = c.train.objective
+  if objective not in OBJECTIVES:
+    raise ConfigError(f"config.train.objective={objective!r} is not one of {OBJECTIVES}.")
+  defaults = base_config()
+  for section, owner in (("sft", "sft"), ("rft", "rft"), ("distill", "distill")):
+    if objective == owner:
+      continue
+    for name, value in c[section].items():
+      if value != defaults[section][name]:
+        raise ConfigError(f"config.{section}.{name}={value!r} only applies to train.objective={owner!r} (got "
+                          f"{objective!r}): set train.objective={owner!r} or leave it at {defaults[section][name]!r}.")
+  if objective in CE_OBJECTIVES:
+    used = ("agg", "agg_norm")
+    preset = dataclasses.asdict(LossConfig.from_preset(defaults.rl.preset))   # what an untouched rl section means
+    for name, value in c.rl.items():
+      off = name in ("kl_coef", "entropy_coef") and value == 0   # a regulariser turned off: nothing to ignore
+      if name not in used and value is not None and not off and value != preset.get(name, defaults.rl[name]):
+        raise ConfigError(f"config.rl.{name}={value!r} has no effect with train.objective={objective!r} (a "
+                          f"cross-entropy loss: only rl.agg, default 'token-mean', and rl.agg_norm apply): leave it "
+                          "unset, or use train.objective='rl'.")
+    if c.train.dynamic_sampling:
+      raise ConfigError(f"config.train.dynamic_sampling with train.objective={objective!r}: it selects groups by "
+                        "reward spread, which a cross-entropy step does not use; set train.dynamic_sampling=False.")
+    if not isinstance(c.rft.min_reward, (int, float)) or isinstance(c.rft.min_reward, bool):
+      raise ConfigError(f"config.rft.min_reward={c.rft.min_reward!r} must be a number.")
+  if objective == "sft":
+    if c.rollout.mode != defaults.rollout.mode or c.tools.enabled:
+      what = f"rollout.mode={c.rollout.mode!r}" if c.rollout.mode != defaults.rollout.mode else "tools.enabled"
+      raise ConfigError(f"config.{what} with train.objective='sft': supervised fine-tuning samples nothing (its "
+                        "targets come from the data); leave rollout.mode='fused' and tools.enabled=False.")
+    template = c.sft.response_template
+    if not isinstance(template, str) or not template.strip():
+      raise ConfigError(f"config.sft.response_template={template!r} must be a non-empty format string such as "
+                        "'{response}' or '{answer}'.")
+    from rljax.data.config import template_fields
+    template_fields(template, "config.sft.response_template")
+  if objective == "distill":
+    if not c.distill.teacher:
+      raise ConfigError("config.distill.teacher is empty: train.objective='distill' needs a teacher model (an HF "
+                        "directory, .gguf file or built-in name with the student's vocabulary), e.g. the export of "
+                        "an RL run: --config.distill.teacher=runs/default/hf.")
+    if c.model.lora.rank and c.distill.teacher == c.model.path:
+      raise ConfigError("config.distill.teacher is the LoRA student's own base model (model.path): the student "
+                        "starts as the teacher, so the reverse KL and every advantage start at 0 and the run learns "
+                        "nothing; distil from a stronger model.")
+
+
 def _validate_group_size(c: ml_collections.ConfigDict) -> None:
   """The loss's group statistics against G = sampling.num_samples, named as run-config fields."""
+  if c.train.objective in CE_OBJECTIVES:
+    return
   lc = loss_config(c)
   try:
     lc.validate(group_size=c.sampling.num_samples)

@@ -19,7 +19,7 @@ FILE_KINDS = ("jsonl", "parquet", "json", "gsm8k", "math")
 ANSWER_FORMATS = ("raw", "gsm8k", "boxed")
 
 # Keys every Example has; a field mapping may not reuse them for extras.
-RESERVED_KEYS = ("id", "source", "verifier", "prompt", "prompt_messages", "answer", "split")
+RESERVED_KEYS = ("id", "source", "verifier", "prompt", "prompt_messages", "answer", "split", "response", "messages")
 
 TOP_LEVEL_DEFAULTS: dict[str, Any] = {
     "sources": [],
@@ -158,7 +158,14 @@ def _normalize_fields(fields: Any, kind: str, where: str) -> dict[str, Any]:
   if not isinstance(fields, Mapping):
     raise ConfigError(f"{where}={fields!r}: expected a mapping like "
                       "{prompt: question, answer: answer, extra: [...]}.")
-  _check_unknown(fields, {"prompt": 0, "answer": 0, "id": 0, "extra": 0}, where)
+  # response: the target of train.objective='sft' (default column 'response', read when present);
+  # messages: a column of chat messages [{role, content}, ...] (the prompt is the turns before the
+  # first assistant turn, sft trains on the assistant turns). Left out of the result unless given,
+  # so the data fingerprint of configs without them does not change.
+  _check_unknown(fields, {"prompt": 0, "answer": 0, "id": 0, "extra": 0, "response": 0, "messages": 0}, where)
+  for key in ("response", "messages"):
+    if key in fields:
+      _check_str(fields[key], f"{where}.{key}")
   out = {"prompt": base["prompt"], "answer": base["answer"], "id": None, "extra": {}}
   out.update({k: v for k, v in fields.items() if k != "extra"})
   _check_str(out["prompt"], f"{where}.prompt", optional=False)

@@ -72,6 +72,26 @@ def build_messages(prompt: str, system_prompt: str | None) -> list[dict[str, str
   return messages
 
 
+def _messages(row: Mapping[str, Any], column: str) -> list[dict[str, str]]:
+  """The chat messages of a row's `column`: [{role, content}, ...] with a user turn before any assistant turn."""
+  value = row.get(column)
+  if not isinstance(value, list) or not value:
+    raise RowError(f"messages field '{column}' is {'missing' if value is None else type(value).__name__}, expected a "
+                   "non-empty list of {role, content} messages")
+  out = []
+  for i, m in enumerate(value):
+    if not isinstance(m, Mapping) or m.get("role") not in ("system", "user", "assistant", "tool") or \
+        not isinstance(m.get("content"), str):
+      raise RowError(f"messages field '{column}'[{i}] is not a {{role: system|user|assistant|tool, content: str}} "
+                     "message")
+    out.append({"role": m["role"], "content": m["content"]})
+  roles = [m["role"] for m in out]
+  first_assistant = roles.index("assistant") if "assistant" in roles else len(roles)
+  if "user" not in roles[:first_assistant]:
+    raise RowError(f"messages field '{column}' has no user turn before its first assistant turn")
+  return out
+
+
 def row_to_example(row: Mapping[str, Any], src: Mapping[str, Any], top: Mapping[str, Any], *,
                    row_index: int, split: str) -> Example:
   """Maps one raw row to an Example using the source's normalized config.
@@ -80,12 +100,17 @@ def row_to_example(row: Mapping[str, Any], src: Mapping[str, Any], top: Mapping[
     RowError: the row lacks a mapped field or its answer cannot be extracted.
   """
   fields = src["fields"]
-  column = fields["prompt"]
-  if column not in row or row[column] is None:
-    raise RowError(f"missing prompt field '{column}' (row has {sorted(row)})")
-  question = row[column]
-  if not isinstance(question, str) or not question.strip():
-    raise RowError(f"prompt field '{column}' is not a non-empty string")
+  conversation = None
+  if fields.get("messages"):
+    conversation = _messages(row, fields["messages"])
+    question = next(m["content"] for m in conversation if m["role"] == "user")
+  else:
+    column = fields["prompt"]
+    if column not in row or row[column] is None:
+      raise RowError(f"missing prompt field '{column}' (row has {sorted(row)})")
+    question = row[column]
+    if not isinstance(question, str) or not question.strip():
+      raise RowError(f"prompt field '{column}' is not a non-empty string")
 
   answer, solution = None, None
   if fields["answer"] is not None:
@@ -114,17 +139,30 @@ def row_to_example(row: Mapping[str, Any], src: Mapping[str, Any], top: Mapping[
     example_id = f"{src['label']}:{split}:{row_index}"
 
   template = src["prompt_template"] if src["prompt_template"] is not None else top["prompt_template"]
-  prompt = template.format_map({**extras, "prompt": question})
   system_prompt = src["system_prompt"] if src["system_prompt"] is not None else top["system_prompt"]
+  if conversation is None:
+    prompt = template.format_map({**extras, "prompt": question})
+    prompt_messages = build_messages(prompt, system_prompt)
+  else:   # the turns before the first assistant turn, as written (the system prompt first if they have none)
+    prompt = question
+    first = next((i for i, m in enumerate(conversation) if m["role"] == "assistant"), len(conversation))
+    prompt_messages = conversation[:first]
+    if system_prompt and prompt_messages[0]["role"] != "system":
+      prompt_messages = build_messages("", system_prompt)[:1] + prompt_messages
   example = {
       "id": example_id,
       "source": src["label"],
       "verifier": src["verifier"],
       "split": split,
       "prompt": prompt,
-      "prompt_messages": build_messages(prompt, system_prompt),
+      "prompt_messages": prompt_messages,
       "answer": answer,
   }
+  if conversation is not None:
+    example["messages"] = prompt_messages + conversation[first:]   # the whole conversation (sft's targets)
+  response = row.get(fields.get("response") or "response")
+  if isinstance(response, str):
+    example["response"] = response
   if solution is not None and "solution" not in extras:
     example["solution"] = solution
   example.update(extras)

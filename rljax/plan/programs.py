@@ -97,7 +97,10 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
     notes.append(f"no tokenizer at {source}: the sampler stops at the model config's EOS "
                  f"{list(model.eos_token_ids)}; the trainer adds its tokenizer's end-of-turn tokens (same program "
                  "size).")
-  setup = setup_lib.build(config, model, tokenizer if tokenizer is not None else model.eos_token_ids)
+  setup = setup_lib.build(config, model, tokenizer if tokenizer is not None else model.eos_token_ids,
+                          teacher=setup_lib.read_teacher_config(config))
+  if config.train.objective == "sft":
+    notes.append("train.objective='sft': the trainer runs only the learner program (its targets come from the data).")
   if config.tools.enabled:
     notes.append("tools.enabled: the plan compiles the single-turn sampler; multi-turn segments are smaller.")
   mode = modes.get(config.rollout.mode)

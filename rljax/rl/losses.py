@@ -195,7 +195,8 @@ def policy_loss(lp: jax.Array, lp_old: jax.Array | None, adv: jax.Array, mask: j
     lp: [B, T] float32 log-probs of the current policy (differentiated).
     lp_old: [B, T] log-probs of the policy that produced the batch (no gradient); None means
       on-policy (stop_gradient(lp)).
-    adv: [B] advantages (no gradient), e.g. compute_advantages(...)[0].reshape(-1).
+    adv: [B] advantages (no gradient), e.g. compute_advantages(...)[0].reshape(-1), or [B, T] per-token
+      advantages (on-policy distillation: rljax/objectives/losses.py).
     mask: [B, T] completion mask (1 = a generated token to train on).
     den: `make_denominators` of the whole step.
     cfg: the loss config (static under jit).
@@ -223,8 +224,8 @@ def policy_loss(lp: jax.Array, lp_old: jax.Array | None, adv: jax.Array, mask: j
     raise ConfigError(
         f"entropy_coef={cfg.entropy_coef} needs entropy=[B, T] (from chunked_logprobs): pass "
         "it, or set entropy_coef=0.")
-  if adv.ndim != 1 or adv.shape[0] != lp.shape[0]:
-    raise ValueError(f"adv must be [B] = [{lp.shape[0]}], got shape {adv.shape}.")
+  if adv.shape not in ((lp.shape[0],), lp.shape):
+    raise ValueError(f"adv must be [B] = [{lp.shape[0]}] or [B, T] = {list(lp.shape)}, got shape {adv.shape}.")
 
   m = train_mask(mask, cfg, truncated)
   on = m > 0
@@ -233,7 +234,8 @@ def policy_loss(lp: jax.Array, lp_old: jax.Array | None, adv: jax.Array, mask: j
   clean = lambda x: jnp.where(on, x.astype(_F32), 0.0)
   lp = clean(lp)
   lp_old = sg(lp) if lp_old is None else sg(clean(lp_old))
-  a = sg(adv.astype(_F32))[:, None]
+  a = sg(adv.astype(_F32))
+  a = a[:, None] if a.ndim == 1 else jnp.where(on, a, 0.0)
   w = token_weights(m, den, cfg)
 
   ratio = _ratio(lp, lp_old, m, cfg)

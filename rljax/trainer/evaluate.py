@@ -281,7 +281,7 @@ def eval_main(argv) -> int:
   try:
     spec = RewardSpec.from_dict({"components": [{"name": "correct", "verifier": verifier, "weight": 1.0}],
                                  "timeout_s": args.timeout, "num_workers": args.workers})
-    spec.resolve()
+    spec.routes()
   except ConfigError as e:
     raise ConfigError(str(e).replace("rewards.components[0] ('correct')", f"--verifier {verifier}")) from None
   if not args.quiet:

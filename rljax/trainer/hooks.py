@@ -50,7 +50,9 @@ class _Log:
     m = info.metrics
     self.writer.write(info.step, m)
     self.progress.update(1)
-    self.progress.set_postfix({"reward": f"{m.get('reward/mean', 0):.3f}", "loss": f"{m.get('loss', 0):.4f}",
+    # sft scores nothing while training: its bar shows the targets' token-mean negative log-likelihood.
+    first = {"reward": f"{m['reward/mean']:.3f}"} if "reward/mean" in m else {"nll": f"{m.get('nll', 0):.3f}"}
+    self.progress.set_postfix({**first, "loss": f"{m.get('loss', 0):.4f}",
                                "len": f"{m.get('response_length_mean', 0):.0f}", "s": f"{m['time/step']:.1f}",
                                "mfu": f"{m.get('perf/mfu', 0):.1%}"})
 

@@ -16,6 +16,8 @@ from rljax.config.validation import check_batch_mesh
 from rljax.data import PromptBatcher, build_dataset
 from rljax.errors import ConfigError, RljaxError
 from rljax.models import lora
+from rljax.objectives.sft import SftRunner
+from rljax.objectives.sft_data import SftBatcher
 from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
 from rljax.rewards.routing import source_verifiers_from_data
 from rljax.rollout.tools import ToolRollout, TurnParams
@@ -117,14 +119,17 @@ class Trainer:
     self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
     policy = setup_lib.load_policy(config.model, config.tokenizer, mesh=self.mesh)
     self.tokenizer = policy.tokenizer
+    # train.objective='distill': the frozen teacher, sharded on the mesh like the reference model.
+    teacher = setup_lib.load_teacher(config, policy.config, self.tokenizer, mesh=self.mesh)
     # The model, the StepSpec (stop ids from the tokenizer) and the optimizer, as `rljax plan` builds them.
-    self.setup = setup_lib.build(config, policy.config, self.tokenizer)
+    self.setup = setup_lib.build(config, policy.config, self.tokenizer,
+                                 teacher=None if teacher is None else teacher.config)
     self._peak_flops: float | None = None
     self._setup_tools()
     self._setup_data()
     self._setup_rewards()
-    self._setup_state(policy.params)
-    del policy   # the state holds the parameters now; no second copy is kept for the run
+    self._setup_state(policy.params, None if teacher is None else teacher.params)
+    del policy, teacher   # the state holds the parameters now; no second copy is kept for the run
     self.runner = self._setup_runner()
     self.hooks = default_hooks(self)
 
@@ -144,13 +149,16 @@ class Trainer:
   def _setup_runner(self):
     """The runner of config.rollout.mode (trainer/rollouts.py), its programs from the setup."""
     c = self.config
-    return make_runner(RunContext(
+    ctx = RunContext(
         setup=self.setup, spec=self.spec, optimizer=self.optimizer, schedule=self.schedule, mesh=self.mesh,
         state_shardings=self.state_shardings, batch_rows=self.batch_rows, scorer=self.scorer,
         rollout_cfg=c.rollout, steps=c.train.steps, max_staleness=config_lib.max_staleness(c),
         start_step=self.start_step, generator_mesh=self.generator_mesh,
         tools=self.tool_rollout(self.sp) if c.tools.enabled else None,
-        pad_id=int(self.tokenizer.pad_id or 0), max_prompt_tokens=c.data.max_prompt_tokens), self.state)
+        pad_id=int(self.tokenizer.pad_id or 0), max_prompt_tokens=c.data.max_prompt_tokens)
+    if c.train.objective == "sft":   # the targets come from the data: no producer, the same update
+      return SftRunner(ctx, self.state)
+    return make_runner(ctx, self.state)
 
   def _setup_tools(self):
     """The tool pool and the prompts' tool schemas, when config.tools.enabled (docs/tools.md)."""
@@ -182,9 +190,14 @@ class Trainer:
     local_prompts = c.train.prompts_per_step * self.oversample // pc
     self.train_data = build_dataset(data_cfg, split="train", process_index=pi, process_count=pc,
                                     shard_block=local_prompts)
-    self.batcher = PromptBatcher(self.train_data, self.tokenizer,
-                                 prompts_per_batch=local_prompts,
-                                 max_prompt_tokens=c.data.max_prompt_tokens, tools=self.prompt_tools)
+    if c.train.objective == "sft":   # prompts with their target responses (rljax/objectives/sft_data.py)
+      self.batcher = SftBatcher(self.train_data, self.tokenizer, prompts_per_batch=local_prompts,
+                                max_prompt_tokens=c.data.max_prompt_tokens, max_target_tokens=c.sampling.max_new_tokens,
+                                response_template=c.sft.response_template)
+    else:
+      self.batcher = PromptBatcher(self.train_data, self.tokenizer,
+                                   prompts_per_batch=local_prompts,
+                                   max_prompt_tokens=c.data.max_prompt_tokens, tools=self.prompt_tools)
     self.feed = PromptFeed(self.batcher, pad_id=int(self.tokenizer.pad_id or 0))
     self.data_state = self.batcher.state()   # of the last batch trained on: what a checkpoint saves
     self.eval_data = None
@@ -216,11 +229,11 @@ class Trainer:
   optimizer = property(lambda self: self.setup.optimizer)
   schedule = property(lambda self: self.setup.schedule)
 
-  def _setup_state(self, params):
-    """The train state from the loaded parameters (setup.init_state), then the latest checkpoint's
-    when the run resumes."""
+  def _setup_state(self, params, teacher=None):
+    """The train state from the loaded parameters (setup.init_state; `teacher`: the distillation
+    teacher's), then the latest checkpoint's when the run resumes."""
     c = self.config
-    self.state, self.state_shardings = setup_lib.init_state(self.setup, params, self.mesh)
+    self.state, self.state_shardings = setup_lib.init_state(self.setup, params, self.mesh, teacher=teacher)
     # LoRA: the adapters go with the base they were trained on; its checksum is saved with them.
     self.base_fingerprint = lora.fingerprint(self.state.frozen) if self.state.frozen is not None else None
     self.ckpt = Checkpointer(os.path.join(self.out_dir, "checkpoints"), keep_last=c.checkpoint.keep_last,
@@ -229,13 +242,13 @@ class Trainer:
     self.history: list[dict] = []
     self.start_step = 0
     if c.checkpoint.resume and self.ckpt.latest_step() is not None:
-      # The frozen base is not in a checkpoint: it was loaded from config.model above.
+      # The frozen base and the teacher are not in a checkpoint: they were loaded above.
       self._check_base(self.ckpt.restore_extras())
-      saved = self.state.replace(frozen=None)
+      saved = self.state.saved()
       abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), saved,
-                              self.state_shardings.replace(frozen=None))
+                              self.state_shardings.saved())
       restored, extras = self.ckpt.restore(abstract_state=abstract)
-      self.state = restored.replace(frozen=self.state.frozen)
+      self.state = restored.replace(frozen=self.state.frozen, teacher=self.state.teacher)
       self.feed.restore(extras["data"])
       self.data_state = self.batcher.state()
       self.history = extras.get("metrics", [])
@@ -270,7 +283,10 @@ class Trainer:
     host["time/step"] = out.seconds
     host.update({f"time/{phase}": s for phase, s in out.phases.items()})
     host["throughput/tokens_per_s"] = m["sampler/tokens"] / max(out.seconds, 1e-9)
-    host["data/filtered_too_long"] = float(self.batcher.stats().get("filtered_too_long", 0))
+    stats = self.batcher.stats()
+    host["data/filtered_too_long"] = float(stats.get("filtered_too_long", 0))
+    if "response_too_long" in stats:   # sft: targets longer than sampling.max_new_tokens, skipped
+      host["data/response_too_long"] = float(stats["response_too_long"])
     compiled = compile_stats.counts()   # every XLA compilation of the process: a few per prompt-width bucket
     host["compile/count"], host["compile/seconds"] = compiled["compiles"], compiled["compile_seconds"]
     clash = sorted(set(m) & set(host))
@@ -298,12 +314,15 @@ class Trainer:
       log.info("peak for perf/mfu: %.3g FLOP/s (%s)", self._peak_flops, source)
     t, spec = self.config.train, self.spec
     extra = int(self.loss_cfg.needs_reference) + int(spec.recompute_old_logprobs)
-    rows = t.prompts_per_step * self.oversample * spec.group
+    if spec.teacher is not None:   # distill: the teacher's forward, at its own size
+      extra += flops.forward_flops(spec.teacher, 1, 1) / max(flops.forward_flops(spec.model, 1, 1), 1e-9)
+    sampled = t.prompts_per_step * self.oversample if t.objective != "sft" else 0   # sft samples nothing
+    rows = sampled * spec.group
     steps, decode_rows = int(m["response_length_max"]), None
     if "sampler/decode_steps" in m:   # the sampler's own count; its decode slots (sampling.slots) did the work
       steps, decode_rows = int(m["sampler/decode_steps"]) + 1, decode_slots(spec.sampling, rows)
     work = flops.rollout_step_flops(
-        spec.model, sample_prompts=t.prompts_per_step * self.oversample, update_prompts=t.prompts_per_step,
+        spec.model, sample_prompts=sampled, update_prompts=t.prompts_per_step,
         group=spec.group, prompt_len=prompt_len, decode_steps=steps,
         completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra, decode_rows=decode_rows)
     out = {"perf/flops_per_s": (work["sample"] + work["update"]) / max(m["time/step"], 1e-9)}
@@ -332,9 +351,10 @@ class Trainer:
         self._stop = None
 
   def _stop_signals(self):
-    from rljax.trainer.stopping import StopSignals
-    return StopSignals(self.config.train.stop_signals, multi_process=jax.process_count() > 1,
-                       on_first=self._stop_message)
+    from rljax.trainer.stopping import StopSignals, any_process_requested
+    multi = jax.process_count() > 1
+    return StopSignals(self.config.train.stop_signals, multi_process=multi,
+                       agree=any_process_requested if multi else None, on_first=self._stop_message)
 
   def _stop_message(self, signum: int) -> str:
     import signal
@@ -346,7 +366,8 @@ class Trainer:
   def _interrupted(self, stop, step: int, what: str) -> "Interrupted":
     """The Interrupted error after a stop at `step` (a checkpoint of it saved, unless step is 0)."""
     import signal
-    name = signal.Signals(stop.signum).name if stop.signum else "a stop request"
+    name = (signal.Signals(stop.signum).name if stop.signum else
+            "a stop signal to another process of the run" if stop.multi_process else "a stop request")
     saved = (f"checkpoint of step {step} in {self.ckpt.directory}" if step else
              "no checkpoint (no step had been trained)")
     return Interrupted(f"stopped by {name} {what}; {saved}. Run the same command again to "
@@ -420,7 +441,7 @@ class Trainer:
         self.save(summary.get("eval_after"), force=True)
         self.ckpt.wait()
       summary["checkpoint_dir"] = self.ckpt.directory
-      if stop.requested:
+      if stop.stop_after(c.train.steps):   # every process decides together (an all-gather)
         raise self._interrupted(stop, c.train.steps, "before the export")
       if c.output.export_hf and writing:
         with progress.phase(f"exporting to {os.path.join(self.out_dir, 'hf')}"):
@@ -471,7 +492,7 @@ class Trainer:
     if eval_metrics:
       metrics = {f"eval/{k}": v for k, v in eval_metrics.items() if isinstance(v, float)}
     # Under LoRA only the adapters and their optimizer state are saved; the base is config.model's.
-    self.ckpt.save(int(self.state.step), self.state.replace(frozen=None), extras=extras, metrics=metrics,
+    self.ckpt.save(int(self.state.step), self.state.saved(), extras=extras, metrics=metrics,
                    force=force)
 
   def export(self) -> str:

@@ -63,7 +63,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          max_staleness=0, default_staleness=0, exact_phases=True, multi_process=True),
     Mode("pipelined", "rljax.trainer.rollouts:PipelinedRollouts",
          "generation of batch k+1 overlaps scoring and updating batch k (at most one step off-policy)",
-         max_staleness=1, default_staleness=1, tools=True),
+         max_staleness=1, default_staleness=1, tools=True, multi_process=True),
     Mode("async", "rljax.trainer.async_rollouts:AsyncRollouts",
          "generator and learner devices apart, batches streamed through bounded queues",
          max_staleness=None, default_staleness=1, own_fields=("generator_devices", "sync_every", "queue_size"),

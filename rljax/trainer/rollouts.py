@@ -37,6 +37,7 @@ import numpy as np
 
 from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
+from rljax.rewards import summaries
 from rljax.rewards.callback import local_indices
 from rljax.rollout.partial import PartialProducer
 from rljax.rollout.sampler import SamplerProducer
@@ -130,7 +131,9 @@ class Scorer:
         log.warning("reward pool failed on batch %d (%r); restarting it and rescoring (attempt %d of %d)",
                     index, e, attempt + 1, SCORE_ATTEMPTS)
         self.restart()
-    metrics = dict(out.metrics)
+    # Each process scored its own rows: the logged figures cover every process's (a host all-gather
+    # in a multi-process run, so every process scores each batch once, in the same order).
+    metrics = summaries.combine_process_metrics(shd.allgather_objects(summaries.summary(out, rewards)))
     metrics["rollout/score_attempts"] = float(attempt)
     return rewards, components, metrics
 
@@ -160,6 +163,9 @@ def make_runner(ctx: RunContext, state: TrainState):
     multi = [m.name for m in modes.MODES.values() if m.multi_process]
     raise ConfigError(f"config.rollout.mode={mode.name!r} runs in one process for now; multi-process runs use "
                       f"rollout.mode in {multi}.")
+  if jax.process_count() > 1 and ctx.tools is not None:
+    raise ConfigError("config.tools.enabled runs in one process for now (multi-turn tool rollouts are not yet "
+                      "dealt over processes); run it on one host, or turn tools off for a multi-process run.")
   if ctx.tools is not None and not mode.tools:
     raise ConfigError(f"config.tools.enabled with rollout.mode={mode.name!r}: use one of "
                       f"{[m.name for m in modes.MODES.values() if m.tools]}.")
@@ -262,8 +268,9 @@ class Decoupled:
 
   @staticmethod
   def finish_generation(item: Batch) -> Batch:
-    """Waits for the batch's tokens and brings them to the host (the scorer needs text)."""
-    item.tokens, item.lengths = (np.asarray(x) for x in jax.device_get((item.rollout.tokens, item.rollout.lengths)))
+    """Waits for the batch's tokens and brings this process's rows to the host (the scorer needs
+    text; in a multi-process run each process scores the rows its devices hold)."""
+    item.tokens, item.lengths = local_rows(item.rollout.tokens), local_rows(item.rollout.lengths)
     return item
 
   def score(self, item: Batch) -> Batch:
@@ -280,9 +287,9 @@ class Decoupled:
     if not 0 <= staleness <= self.max_staleness:
       raise RolloutError(f"batch {item.index} is {staleness} versions old, outside max_staleness="
                          f"{self.max_staleness} (a bug in the scheduler).")
-    n = item.rewards.shape[0]
-    rollout = rollout.with_rewards(jax.device_put(item.rewards, shd.batch_sharding(self.learner_mesh, 1, n)),
-                                   jax.device_put(item.components, shd.batch_sharding(self.learner_mesh, 2, n)))
+    n = rollout.tokens.shape[0]
+    rollout = rollout.with_rewards(rows_from_processes(item.rewards, shd.batch_sharding(self.learner_mesh, 1, n), n),
+                                   rows_from_processes(item.components, shd.batch_sharding(self.learner_mesh, 2, n), n))
     state, metrics = self.update(state, rollout)
     self.version += 1
     self._counts["batches_trained"] += 1
@@ -370,6 +377,25 @@ class PartialRollouts(Decoupled):
     phases = {"sample": t1 - t0, "score": t2 - t1, "update": t3 - t2}
     waiting = int(item.info.metrics["rollout/groups_waiting"])
     return state, self.output(item, metrics, t3 - t0, phases, staleness, waiting)
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+  """The rows of a row-split array that this process's devices hold, in global row order (the
+  whole array in a one-process run): the process-local data of `rows_from_processes`."""
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  blocks: dict[int, np.ndarray] = {}
+  for shard in x.addressable_shards:
+    start = (shard.index[0].start or 0) if shard.index else 0
+    blocks.setdefault(start, np.asarray(shard.data))   # replicas of a block hold the same rows
+  return np.concatenate([blocks[k] for k in sorted(blocks)])
+
+
+def rows_from_processes(local: np.ndarray, sharding, n: int) -> jax.Array:
+  """The global [n, ...] array whose rows each process holds locally (`local_rows`' inverse)."""
+  if jax.process_count() == 1:
+    return jax.device_put(local, sharding)
+  return jax.make_array_from_process_local_data(sharding, local, (n, *local.shape[1:]))
 
 
 def rows_on(mesh, rollout: Rollout) -> Rollout:

@@ -123,16 +123,66 @@ def load_policy(model_cfg, tokenizer_path: str = "", mesh=None) -> Policy:
   return policy
 
 
-def read_model_config(config: ml_collections.ConfigDict) -> tuple[ModelConfig, str, Tokenizer | None]:
+def teacher_model_config(mc: ModelConfig, model_cfg) -> ModelConfig:
+  """The distillation teacher's config with the run's compute settings: model.dtype for compute and
+  storage (it is never updated: no float32 copy), remat and attention as the student's, no adapters."""
+  return mc.replace(dtype=model_cfg.dtype, remat=model_cfg.remat, attention=model_cfg.attention, lora=None,
+                    param_dtype=model_cfg.dtype)
+
+
+def load_teacher(config: ml_collections.ConfigDict, student: ModelConfig, tokenizer: Tokenizer | None,
+                 mesh=None) -> Policy | None:
+  """The frozen teacher of train.objective='distill' (config.distill.teacher: any model rljax loads), its
+  parameters sharded by its own logical axes on `mesh`; None for the other objectives. Raises ConfigError
+  naming distill.teacher when its vocabulary is not the student's (the teacher scores the student's token ids)."""
+  if config.train.objective != "distill":
+    return None
+  path = config.distill.teacher
+  teacher = load_pretrained(path, mesh=mesh, param_dtype=config.model.dtype)
+  check_same_vocabulary(path, teacher.config, teacher.tokenizer, student, tokenizer)
+  return dataclasses.replace(teacher, config=teacher_model_config(teacher.config, config.model))
+
+
+def check_same_vocabulary(path: str, teacher: ModelConfig, teacher_tok: Tokenizer | None, student: ModelConfig,
+                          student_tok: Tokenizer | None) -> None:
+  """The teacher must give a log-prob to every token id the student samples, meaning the same token."""
+  if teacher.vocab_size < student.vocab_size:
+    raise ConfigError(f"config.distill.teacher={path!r}: its vocabulary has {teacher.vocab_size} entries, fewer than "
+                      f"the student's {student.vocab_size}; the teacher must score every token the student can "
+                      "sample: use a teacher with the student's tokenizer.")
+  if teacher_tok is None or student_tok is None:
+    return
+  a, b = (t.backend.get_vocab(with_added_tokens=True) for t in (student_tok, teacher_tok))
+  differ = [tok for tok, i in a.items() if b.get(tok) != i]
+  if differ:
+    tok = differ[0]
+    raise ConfigError(f"config.distill.teacher={path!r}: its tokenizer is not the student's ({len(differ)} of {len(a)} "
+                      f"tokens differ, e.g. {tok!r} is id {a[tok]} for the student and {b.get(tok)} for the teacher); "
+                      "on-policy distillation scores the student's token ids with the teacher, so both must share "
+                      "one vocabulary.")
+
+
+def read_teacher_config(config: ml_collections.ConfigDict) -> ModelConfig | None:
+  """The distillation teacher's ModelConfig (as `load_teacher` makes it) from its config.json or GGUF header
+  alone, for `rljax plan`; None unless train.objective='distill'."""
+  if config.train.objective != "distill":
+    return None
+  mc, _, _ = read_model_config(config, path=config.distill.teacher)
+  return teacher_model_config(mc, config.model)
+
+
+def read_model_config(config: ml_collections.ConfigDict, path: str | None = None
+                      ) -> tuple[ModelConfig, str, Tokenizer | None]:
   """(ModelConfig, where it was read, the tokenizer or None) of config.model without its weights.
 
   config.model.path: a directory holding config.json (the weights need not be there), a
   config.json file, a .gguf file or built-in name (metadata only), or "random". The tokenizer is
   the one the trainer would load (config.tokenizer, else the model's own) when its files are
-  there; a directory with only config.json has none (`rljax plan` needs no more).
+  there; a directory with only config.json has none (`rljax plan` needs no more). `path`: read that
+  model instead (the distillation teacher; its tokenizer is not loaded).
   """
   m = config.model
-  path = m.path
+  teacher, path = path is not None, m.path if path is None else path
   if path == "random":
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
     return run_model_config(random_model_config(m, tokenizer), m), "random model (config.model.random)", tokenizer
@@ -151,7 +201,9 @@ def read_model_config(config: ml_collections.ConfigDict) -> tuple[ModelConfig, s
                         "config.json (a directory holding it is enough).")
     ckpt = open_gguf(file)
     mc, source, directory, has_tokenizer = ckpt.config, file, file, ckpt.has("tokenizer.ggml.tokens")
-  if config.tokenizer:
+  if teacher:
+    tokenizer = None
+  elif config.tokenizer:
     tokenizer = load_tokenizer(config.tokenizer)
   else:
     tokenizer = load_tokenizer(directory) if has_tokenizer else None
@@ -220,21 +272,30 @@ class Setup:
     return self.batch_rows * self.spec.group
 
 
-def build(config: ml_collections.ConfigDict, model: ModelConfig, tokenizer: Tokenizer | Sequence[int]) -> Setup:
+def build(config: ml_collections.ConfigDict, model: ModelConfig, tokenizer: Tokenizer | Sequence[int],
+          teacher: ModelConfig | None = None) -> Setup:
   """The Setup of a validated config for `model` (its run settings applied), with the stop ids of
   `tokenizer` (or the ids themselves where there is no tokenizer). Raises ConfigError when prompt +
-  completion exceed the model's context, or the prompts would lack a BOS the model needs."""
+  completion exceed the model's context, or the prompts would lack a BOS the model needs.
+  teacher: train.objective='distill': the teacher's config (`load_teacher`)."""
   config_lib.check_model_fits(config, model.context_length)   # with YaRN the scaled context
   if config.model.path != "random" and isinstance(tokenizer, Tokenizer):
     check_bos(model.architecture, tokenizer, config.data.chat_template)   # pretrained Gemma: <bos> first
   t = config.train
   sp = sampling_params(config, tokenizer, stops=not config.sampling.ignore_eos, slots=config.sampling.slots)
   recompute = config_lib.recompute_old_logprobs(config)
+  if t.objective == "sft":   # one target per prompt, from the data: rows are prompts
+    sp = dataclasses.replace(sp, num_samples=1)
+  if t.objective == "distill" and teacher is None:
+    raise ConfigError("train.objective='distill' needs the teacher's model config (setup.build(..., teacher=)).")
   spec = StepSpec(model=model, sampling=sp, loss=config_lib.loss_config(config), prompts=t.prompts_per_step,
                   mini_batches=t.mini_batches, epochs=t.epochs, micro_batches=t.micro_batches,
                   eos_ids=sp.stop_token_ids, oversample=config_lib.dynamic_oversample(config),
-                  recompute_old_logprobs=recompute, gap_rows=_gap_rows(config, recompute, sp.num_samples),
-                  pack_tokens=t.pack_tokens)
+                  recompute_old_logprobs=recompute,
+                  gap_rows=0 if t.objective != "rl" else _gap_rows(config, recompute, sp.num_samples),
+                  pack_tokens=t.pack_tokens, objective=t.objective, min_reward=float(config.rft.min_reward),
+                  teacher=teacher if t.objective == "distill" else None,
+                  reward_weight=float(config.distill.reward_weight))
   total_updates = max(t.steps * t.mini_batches * t.epochs, 1)
   optimizer, schedule = make_optimizer(config.optim, total_updates)
   return Setup(config=config, model=model, spec=spec, optimizer=optimizer, schedule=schedule,
@@ -258,27 +319,34 @@ def with_model(setup: Setup, model: ModelConfig) -> Setup:
 # ---- the train state ----------------------------------------------------------------------------
 
 
-def state_shardings(state: TrainState, mesh, param_sh, frozen_sh=None) -> TrainState:
+def state_shardings(state: TrainState, mesh, param_sh, frozen_sh=None, teacher_sh=None) -> TrainState:
   """Params, ref params and param-shaped optimizer moments by logical axes (under LoRA `param_sh`
-  is the adapters' and `frozen_sh` the base's); everything else replicated."""
+  is the adapters' and `frozen_sh` the base's; `teacher_sh` the distillation teacher's); everything
+  else replicated."""
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   param_struct = jax.tree.structure(state.params)
   is_param_tree = lambda n: jax.tree.structure(n) == param_struct
   opt_sh = jax.tree.map(lambda n: param_sh if is_param_tree(n) else replicated, state.opt_state,
                         is_leaf=is_param_tree)
   return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                    ref_params=None if state.ref_params is None else param_sh, frozen=frozen_sh)
+                    ref_params=None if state.ref_params is None else param_sh, frozen=frozen_sh,
+                    teacher=None if state.teacher is None else teacher_sh)
 
 
-def _new_state(setup: Setup, params, adapter_sh=None) -> TrainState:
+def _new_state(setup: Setup, params, adapter_sh=None, teacher=None) -> TrainState:
   """The state at step 0 from the model's parameters (under LoRA the frozen base, and fresh
-  adapters trained in its place; the base with the adapters off is the KL reference, no copy)."""
+  adapters trained in its place; the base with the adapters off is the KL reference, no copy).
+  teacher: the distillation teacher's parameters (train.objective='distill'), else None."""
   seed = setup.config.train.seed
   if setup.model.lora is not None:
     adapters = lora.init_adapters(setup.model, jax.random.fold_in(jax.random.key(seed), 1), adapter_sh)
-    return TrainState.create(adapters, setup.optimizer, seed, frozen=params)
+    return TrainState.create(adapters, setup.optimizer, seed, frozen=params, teacher=teacher)
   ref = jax.tree.map(jnp.copy, params) if setup.loss.needs_reference else None
-  return TrainState.create(params, setup.optimizer, seed, ref_params=ref)
+  return TrainState.create(params, setup.optimizer, seed, ref_params=ref, teacher=teacher)
+
+
+def _teacher_shardings(setup: Setup, mesh):
+  return None if setup.spec.teacher is None else param_shardings(setup.spec.teacher, mesh)
 
 
 def _split_shardings(setup: Setup, mesh):
@@ -290,14 +358,17 @@ def _split_shardings(setup: Setup, mesh):
   return adapter_sh, base_sh
 
 
-def init_state(setup: Setup, params, mesh) -> tuple[TrainState, TrainState]:
-  """(state, its shardings) from the model's parameters, placed on `mesh`."""
+def init_state(setup: Setup, params, mesh, teacher=None) -> tuple[TrainState, TrainState]:
+  """(state, its shardings) from the model's parameters (and the distillation teacher's), placed on `mesh`."""
   trained_sh, frozen_sh = _split_shardings(setup, mesh)
+  teacher_sh = _teacher_shardings(setup, mesh)
+  if teacher is not None:
+    teacher = jax.device_put(teacher, teacher_sh)
   if frozen_sh is not None:
-    state = _new_state(setup, jax.device_put(params, frozen_sh), adapter_sh=trained_sh)
+    state = _new_state(setup, jax.device_put(params, frozen_sh), adapter_sh=trained_sh, teacher=teacher)
   else:
-    state = _new_state(setup, jax.device_put(params, trained_sh))
-  shardings = state_shardings(state, mesh, trained_sh, frozen_sh=frozen_sh)
+    state = _new_state(setup, jax.device_put(params, trained_sh), teacher=teacher)
+  shardings = state_shardings(state, mesh, trained_sh, frozen_sh=frozen_sh, teacher_sh=teacher_sh)
   return jax.device_put(state, shardings), shardings
 
 
@@ -307,9 +378,11 @@ def abstract_state(setup: Setup, mesh) -> tuple[TrainState, TrainState]:
   params = jax.eval_shape(lambda: init_params(setup.model, jax.random.key(0)))
   if setup.model.lora is not None:
     params = lora.split(params)[0]
-  state = jax.eval_shape(lambda p: _new_state(setup, p), params)
+  teacher = None if setup.spec.teacher is None else \
+      jax.eval_shape(lambda: init_params(setup.spec.teacher, jax.random.key(0)))
+  state = jax.eval_shape(lambda p, t: _new_state(setup, p, teacher=t), params, teacher)
   trained_sh, frozen_sh = _split_shardings(setup, mesh)
-  shardings = state_shardings(state, mesh, trained_sh, frozen_sh=frozen_sh)
+  shardings = state_shardings(state, mesh, trained_sh, frozen_sh=frozen_sh, teacher_sh=_teacher_shardings(setup, mesh))
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings), shardings
 
 
@@ -375,7 +448,8 @@ def reward_components(config: ml_collections.ConfigDict) -> int:
 
 
 __all__ = [
-    "Setup", "abstract_state", "build", "by_rows", "generate_program", "init_state", "load_policy", "param_dtype",
+    "Setup", "abstract_state", "build", "by_rows", "check_same_vocabulary", "generate_program", "init_state",
+    "load_policy", "load_teacher", "param_dtype", "read_teacher_config", "teacher_model_config",
     "prompt_sharding", "random_model_config", "read_model_config", "reward_components", "run_model_config",
     "sampling_params", "stand_in_reward_fn", "state_shardings", "train_step_program", "update_program",
     "with_model",

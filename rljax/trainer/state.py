@@ -20,6 +20,8 @@ class TrainState:
     and the optimizer state are then the adapters only, the model runs `lora.join(frozen, params)`
     (`model_params`), and the KL reference is the base alone (`reference_params`). Checkpoints
     leave it out (the run reloads it from config.model). None without LoRA.
+  teacher: train.objective='distill': the frozen teacher's parameters (distill.teacher), sharded by its
+    own logical axes like the reference; never optimised, left out of checkpoints (reloaded). Else None.
   rng: the run's base PRNG key as raw key data [2] uint32 (raw so orbax can save it), never
     advanced: every key a step uses derives from it and the step (`rollout_key`, `dropout_key`);
   step: rollout steps done.
@@ -32,11 +34,16 @@ class TrainState:
   rng: jax.Array
   ref_params: Any = None
   frozen: Any = None
+  teacher: Any = None
 
   @classmethod
-  def create(cls, params, optimizer, seed: int, ref_params=None, frozen=None) -> "TrainState":
+  def create(cls, params, optimizer, seed: int, ref_params=None, frozen=None, teacher=None) -> "TrainState":
     return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-               rng=jax.random.key_data(jax.random.key(seed)), ref_params=ref_params, frozen=frozen)
+               rng=jax.random.key_data(jax.random.key(seed)), ref_params=ref_params, frozen=frozen, teacher=teacher)
+
+  def saved(self) -> "TrainState":
+    """What a checkpoint holds: the state without what the run reloads (the LoRA base, the teacher)."""
+    return self.replace(frozen=None, teacher=None)
 
   def model_params(self, params=None):
     """The tree the model runs: `params` (default: the state's) joined with the frozen base under LoRA."""

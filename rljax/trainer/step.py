@@ -32,6 +32,8 @@ from rljax.models import lora
 from rljax.models.config import ModelConfig
 from rljax.models.policy import apply_model, output_kernel
 from rljax.models.transformer import positions_from_mask
+from rljax.objectives import CE_OBJECTIVES
+from rljax.objectives.losses import ce_loss, distill_advantages, distill_metrics, rft_keep, rft_metrics
 from rljax.rl import LossConfig, chunked_logprobs, compute_advantages, kl_penalty, make_denominators, policy_loss
 from rljax.rl.metrics import Metrics
 from rljax.rollout.draw import SamplingParams
@@ -58,10 +60,25 @@ class StepSpec:
   logprob_chunk: int = 8192
   gap_rows: int = 0                 # rows whose learner log-probs are compared with the sampler's (0: none)
   pack_tokens: int = 0              # > 0: packed update, blocks of this many tokens (trainer/packing.py)
+  objective: str = "rl"             # config.train.objective (rljax/objectives): rl | sft | rft | distill
+  min_reward: float = 0.0           # rft: rows with reward >= min_reward are trained on
+  teacher: ModelConfig | None = None   # distill: the teacher's model config (its params: TrainState.teacher)
+  reward_weight: float = 0.0        # distill: + reward_weight * the group advantage of the rewards, per token
 
   @property
   def group(self) -> int:
     return self.sampling.num_samples
+
+  @property
+  def cross_entropy(self) -> bool:
+    """sft / rft: the loss is the cross-entropy of the (kept) target tokens, at temperature 1."""
+    return self.objective in CE_OBJECTIVES
+
+  @property
+  def temperature(self) -> float:
+    """The temperature of the learner's log-probs: the sampler's (the policy-gradient objectives), or 1
+    (cross-entropy: the model's own distribution is what supervised targets train)."""
+    return 1.0 if self.cross_entropy else self.sampling.logprob_temperature
 
 
 @flax.struct.dataclass
@@ -69,8 +86,9 @@ class TrainBatch:
   """What the optimizer updates consume: a scored rollout's training view.
 
   prompt_ids, prompt_mask: [N, Lp]; tokens, mask, context_mask: [N, T]; lp_old, lp_samp: [N, T]
-  f32; truncated: [N] bool; adv: [N] f32; lp_ref: [N, T] f32 or None (no reference model);
-  routes: the sampler's experts [N, Lp + T, L_moe, k] to replay (`Rollout.routes`), or None.
+  f32; truncated: [N] bool; adv: [N] f32, or [N, T] per-token (distill); lp_ref: [N, T] f32 or None (no
+  reference model); routes: the sampler's experts [N, Lp + T, L_moe, k] to replay (`Rollout.routes`),
+  or None. Under sft / rft `mask` holds the target tokens trained on (rft: of the kept rows only).
   """
   prompt_ids: jax.Array
   prompt_mask: jax.Array
@@ -96,7 +114,7 @@ def sequence_forward(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, ma
                     dropout_rng=dropout_rng, routes=routes)
   hidden = jax.lax.dynamic_slice_in_dim(out.hidden, lp_len - 1, tokens.shape[1], axis=1)
   lp, ent = chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
-                             temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
+                             temperature=spec.temperature, chunk_size=spec.logprob_chunk,
                              softcap=spec.model.final_logit_softcap)
   return lp, ent, out
 
@@ -212,13 +230,20 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask, dropout_rng,
                              b.routes)
 
+  def objective_loss(lp, ent, b: TrainBatch, mask, den):
+    """The loss of config.train.objective on these rows: cross-entropy of the target tokens (sft, rft), or
+    the policy loss (rl; distill, whose advantages are per token)."""
+    if spec.cross_entropy:
+      return ce_loss(lp, mask, den, cfg, entropy=ent)
+    return policy_loss(lp, b.lp_old, b.adv, mask, den, cfg, lp_ref=b.lp_ref, lp_samp=b.lp_samp, entropy=ent,
+                       truncated=b.truncated)
+
   def loss_fn(trainable, frozen, mb: TrainBatch, den, key, total_tokens):
     # Under LoRA `trainable` is the adapters and the gradient is theirs alone; `frozen` is None otherwise.
     params = trainable if frozen is None else lora.join(frozen, trainable)
     lp, ent, out = sequence_forward(spec, params, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.context_mask,
                                     key if lora_dropout else None, mb.routes)
-    loss, metrics = policy_loss(lp, mb.lp_old, mb.adv, mb.mask, den, cfg, lp_ref=mb.lp_ref, lp_samp=mb.lp_samp,
-                                entropy=ent, truncated=mb.truncated)
+    loss, metrics = objective_loss(lp, ent, mb, mb.mask, den)
     share = _real_tokens(mb.prompt_mask, mb.context_mask) / total_tokens
     return add_aux_losses(loss, add_router_metrics(metrics, out.router, share), out.aux_losses, share)
 
@@ -260,13 +285,12 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
                         dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None,
                         routes=None if routes is None else packing.block_values(routes, k, bins))
       lp, ent = chunked_logprobs(out.hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
-                                 temperature=spec.sampling.logprob_temperature, chunk_size=spec.logprob_chunk,
+                                 temperature=spec.temperature, chunk_size=spec.logprob_chunk,
                                  softcap=spec.model.final_logit_softcap)
       pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)))
       lp, ent = (packing.gather_completion(pad(x), layout, k, bins, t) for x in (lp, ent))
       mask = batch.mask & (layout.block == k)[:, None]
-      loss, metrics = policy_loss(lp, batch.lp_old, batch.adv, mask, den, cfg, lp_ref=batch.lp_ref,
-                                  lp_samp=batch.lp_samp, entropy=ent, truncated=batch.truncated)
+      loss, metrics = objective_loss(lp, ent, batch, mask, den)
       share = jnp.sum(seg > 0).astype(jnp.float32) / total_tokens
       return add_aux_losses(loss, add_router_metrics(metrics, out.router, share), out.aux_losses, share)
 
@@ -302,8 +326,30 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
       metrics = metrics.with_values(learning_rate=learning_rate_fn(state.step * updates_per_step + index))
     return state.replace(params=params, opt_state=opt_state), metrics
 
+  def ce_batch(rollout: Rollout) -> tuple[TrainBatch, dict]:
+    """sft: the data's target tokens; rft: the sampled tokens of the rows whose reward reaches min_reward."""
+    metrics: dict[str, Any] = {}
+    mask = rollout.mask
+    if spec.objective == "rft":
+      keep = rft_keep(rollout.rewards, spec.min_reward)
+      metrics.update(rft_metrics(keep, rollout.mask))
+      mask = mask & keep[:, None]
+    zeros = jnp.zeros(rollout.tokens.shape[:1], jnp.float32)
+    return TrainBatch(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, tokens=rollout.tokens,
+                      mask=mask, context_mask=rollout.context_mask, lp_old=rollout.logprobs, lp_samp=rollout.logprobs,
+                      truncated=rollout.truncated, adv=zeros, routes=rollout.routes), metrics
+
+  def teacher_logprobs(state: TrainState, rollout: Rollout):
+    """[N, T] the frozen teacher's log-probs of the sampled tokens (its own model config, same temperature)."""
+    teacher_spec = dataclasses.replace(spec, model=spec.teacher)
+    lp, _ = sequence_logprobs(teacher_spec, state.teacher, rollout.prompt_ids, rollout.prompt_mask, rollout.tokens,
+                              rollout.context_mask)
+    return jax.lax.stop_gradient(lp)
+
   def train_batch(state: TrainState, rollout: Rollout) -> tuple[TrainBatch, dict]:
     """Reference log-probs, advantages and lp_old for the scored rollout."""
+    if spec.cross_entropy:
+      return ce_batch(rollout)
     metrics: dict[str, Any] = {}
     lp_ref = None
     rewards_pg = rollout.rewards.reshape(-1, g)
@@ -330,15 +376,24 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
       lp_old = rollout.logprobs
       if spec.gap_rows:
         metrics.update(_logprob_gap(logprobs, state.model_params(), rollout, spec.gap_rows))
+    adv = adv.reshape(-1)
+    if spec.objective == "distill":
+      # Per-token advantage: minus the reverse KL of each sampled token to the teacher (lp_old is the
+      # learner's own forward here, so a teacher equal to the student gives exactly 0).
+      lp_teacher = teacher_logprobs(state, rollout)
+      metrics.update(distill_metrics(lp_old, lp_teacher, rollout.mask))
+      per_token = distill_advantages(lp_old, lp_teacher, rollout.mask)
+      adv = per_token + spec.reward_weight * adv[:, None] if spec.reward_weight else per_token
     batch = TrainBatch(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, tokens=rollout.tokens,
                        mask=rollout.mask, context_mask=rollout.context_mask, lp_old=lp_old, lp_samp=rollout.logprobs,
-                       truncated=rollout.truncated, adv=adv.reshape(-1), lp_ref=lp_ref, routes=rollout.routes)
+                       truncated=rollout.truncated, adv=adv, lp_ref=lp_ref, routes=rollout.routes)
     return batch, metrics
 
   def update(state: TrainState, rollout: Rollout):
     with shd.activate(mesh):
-      metrics = {"sampler/tokens": rollout.lengths.sum().astype(jnp.float32),
-                 "sampler/entropy": _masked_mean(rollout.entropy, rollout.mask)}
+      metrics = {"sampler/tokens": rollout.lengths.sum().astype(jnp.float32)}   # sft: the data's target tokens
+      if spec.objective != "sft":
+        metrics["sampler/entropy"] = _masked_mean(rollout.entropy, rollout.mask)
       if rollout.decode_step is not None:
         metrics.update(sampler_metrics(rollout, spec.sampling))
       if spec.oversample > 1:

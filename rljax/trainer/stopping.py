@@ -16,9 +16,12 @@ C-level handler's `signal.set_wakeup_fd` byte wakes a watcher thread, which prin
 happen and counts the signals (so a second Ctrl-C during a 10-minute step really exits at once).
 
 Several processes must stop after the same step, or the ones still stepping wait forever in a
-collective. `agree(step, requested_here) -> bool` is the hook for that (e.g. an all-reduce of
-the flag every step, or JAX's preemption sync point); without it the handlers are installed only
-in single-process runs, and a multi-process run keeps the default signal behaviour.
+collective. `agree(step, requested_here) -> bool` makes them decide together: the trainer passes
+`any_process_requested`, an all-gather of every process's flag after each step (a few bytes), so
+a preemption notice that reaches one process of a pod stops all of them after the same step,
+with one checkpoint they all wrote. Work that may end early on one process (`check`, the
+evaluation) is not cut short in a multi-process run: that would leave the others in a
+collective. Without `agree` the handlers are installed only in single-process runs.
 """
 from __future__ import annotations
 
@@ -153,8 +156,9 @@ class StopSignals:
     return self._event.is_set()
 
   def check(self) -> None:
-    """Raises StopRequested once a stop signal arrived (for work that may end early)."""
-    if self._event.is_set():
+    """Raises StopRequested once a stop signal arrived (for work that may end early); never in a
+    multi-process run, whose processes may only stop together (`stop_after`)."""
+    if self._event.is_set() and not self.multi_process:
       raise StopRequested(f"stopped by {signal.Signals(self.signum).name}")
 
   def stop_after(self, step: int) -> bool:
@@ -162,6 +166,16 @@ class StopSignals:
     the same, through `agree`, in a multi-process run."""
     here = self._event.is_set()
     return bool(self.agree(step, here)) if self.agree is not None else here
+
+
+def any_process_requested(step: int, requested_here: bool) -> bool:
+  """The `agree` of a multi-process run: whether a stop signal reached any process by the end of
+  `step`. Every process must call it after every step (it is an all-gather across processes)."""
+  del step
+  import numpy as np
+  from jax.experimental import multihost_utils
+  flags = multihost_utils.process_allgather(np.asarray([requested_here], np.int32))
+  return bool(np.asarray(flags).any())
 
 
 def _ignore(signum, frame) -> None:

@@ -1,0 +1,25 @@
+"""Supervised fine-tuning of SmolLM2-135M-Instruct on the default run's arithmetic problems, the
+reference answers as targets: the cold start before RL (README "Beyond RL").
+
+The prompts are rendered exactly as the default RL recipe renders them (same source, prompt template
+and chat template), and each target is the assistant turn "<answer><|im_end|>", so the model learns the
+format and the answers the RL run is rewarded for. Greedy held-out accuracy is evaluated before and after,
+as in the default run.
+
+  rljax train --config configs/sft_arithmetic.py
+  rljax train --config configs/rl_after_sft.py     # then RL from its export (runs/sft_arithmetic/hf)
+"""
+from rljax.configs import default
+
+
+def get_config():
+  c = default.get_config()
+  c.train.objective = "sft"
+  c.sft.response_template = "{answer}"   # procedural sources have no response field: the answer is the target
+  c.sampling.num_samples = 1             # not read by sft (one target per prompt); evaluation uses eval.*
+  c.train.steps = 24
+  c.train.prompts_per_step = 8
+  c.optim.learning_rate = 1e-5
+  c.optim.warmup_steps = 2
+  c.output.dir = "runs/sft_arithmetic"
+  return c
