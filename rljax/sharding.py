@@ -1,7 +1,7 @@
 """Mesh construction and the logical-axis -> mesh-axis table.
 
 Parameters and activations are annotated with logical axis names (`embed`,
-`mlp`, `heads`, `kv_heads`, `vocab`, `batch`, ...). One table maps them to the
+`mlp`, `heads`, `kv_heads`, `vocab`, `batch`, `expert`, ...). One table maps them to the
 mesh axes `data`, `fsdp` and `tensor`. A dimension that the mapped mesh axes do
 not divide evenly is replicated instead (SmolLM2 has 3 KV heads, for example),
 so any model runs on any mesh.
@@ -40,6 +40,10 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     # LoRA adapters: sharded like the weight they adapt on the axes they share, and over fsdp on
     # the rank where that axis is free (B's; A's input axis already takes fsdp): ZeRO-3 for adapters.
     ("lora_rank", "fsdp"),
+    # Mixture-of-experts kernels [E, D, F]: whole experts split over fsdp (expert parallelism; the
+    # embed dim, which would take fsdp next, stays whole). Also the sampler's layout (DECODE_RULES
+    # keeps it), so decoding holds E / fsdp experts per chip and moves tokens, not weights.
+    ("expert", "fsdp"),
 )
 
 

@@ -17,7 +17,7 @@ import ml_collections
 
 from rljax.data.config import SOURCE_KINDS
 from rljax.models import families
-from rljax.models.config import ATTENTION_IMPLS
+from rljax.models.config import ATTENTION_IMPLS, MOE_DISPATCH, MOE_KERNELS
 from rljax.objectives import OBJECTIVES
 from rljax.rl.config import PRESETS, LossConfig
 from rljax.trainer import modes
@@ -96,6 +96,19 @@ SCHEMA = Section(
             alpha=Field(16.0, "the adapter's output is scaled by alpha / rank"),
             dropout=Field(0.0, "dropout on the adapter input, in the learner's loss forward only"),
             targets=Field(["q", "k", "v", "o", "gate", "up", "down"], "projections adapted (attention and MLP)"),
+        ),
+        moe=Section(
+            'mixture-of-experts models only (README "Mixture-of-Experts"; docs/models.md#mixture-of-experts); '
+            "setting any of these for a dense model is an error", type_safe=False,
+            routing_replay=Field("auto", "routing replay: the sampler records each token's experts in the Rollout "
+                                         "and the learner computes with them (gates recomputed, so the router "
+                                         "learns): True | False | 'auto' (on unless model.dtype is float32)"),
+            aux_loss_coef=Field(None, "load-balancing loss weight (0 = off, the RL default); None: the checkpoint's "
+                                      "router_aux_loss_coef when its config.json sets output_router_logits, else 0"),
+            z_loss_coef=Field(0.0, "router z-loss weight (0 = off)"),
+            kernel=Field("auto", "the experts' grouped matmul: " + " | ".join(MOE_KERNELS) + " (auto = ragged_dot)"),
+            dispatch=Field("auto", "tokens to experts split over fsdp: " + " | ".join(MOE_DISPATCH)
+                                   + " (auto: all_to_all when fsdp > experts per token, else gather)"),
         ),
         random=Section(
             'used when path == "random" (tests, smoke runs)',

@@ -18,7 +18,7 @@ from rljax.config.derive import dynamic_oversample, lora_config, loss_config, ma
 from rljax.config.schema import base_config
 from rljax.data.config import eval_reads_training_data
 from rljax.errors import ConfigError
-from rljax.models.config import ATTENTION_IMPLS
+from rljax.models.config import ATTENTION_IMPLS, MOE_DISPATCH, MOE_KERNELS
 from rljax.objectives import CE_OBJECTIVES, OBJECTIVES
 from rljax.rewards.routing import source_verifiers_from_data
 from rljax.rewards.spec import RewardSpec
@@ -79,6 +79,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.model.attention not in ATTENTION_IMPLS:
     raise ConfigError(f"config.model.attention={c.model.attention!r} is not one of {ATTENTION_IMPLS}.")
   lora_config(c)   # raises on a bad rank, alpha, dropout or target
+  _validate_moe(c)
   if not t.dynamic_sampling and t.oversample is not None:
     raise ConfigError(f"config.train.oversample={t.oversample} only applies with config.train.dynamic_sampling=True "
                       "(it would be ignored): set train.dynamic_sampling=True or drop train.oversample.")
@@ -98,6 +99,25 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_batch_axes(c)
   _validate_rewards(c)
   _validate_run_control(c)
+
+
+def _validate_moe(c: ml_collections.ConfigDict) -> None:
+  """config.model.moe: values only (whether the model is a mixture of experts is known once its
+  config is read: rljax.trainer.setup.run_model_config refuses these fields for a dense model)."""
+  m = c.model.moe
+  if m.routing_replay not in (True, False, "auto"):
+    raise ConfigError(f"config.model.moe.routing_replay={m.routing_replay!r} must be True, False or 'auto' (on "
+                      "unless model.dtype is float32).")
+  for name in ("aux_loss_coef", "z_loss_coef"):
+    v = m[name]
+    if v is None and name == "aux_loss_coef":
+      continue
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+      raise ConfigError(f"config.model.moe.{name}={v!r} must be a finite number >= 0 (0 = off).")
+  if m.kernel not in MOE_KERNELS:
+    raise ConfigError(f"config.model.moe.kernel={m.kernel!r} is not one of {MOE_KERNELS}.")
+  if m.dispatch not in MOE_DISPATCH:
+    raise ConfigError(f"config.model.moe.dispatch={m.dispatch!r} is not one of {MOE_DISPATCH}.")
 
 
 def _validate_run_control(c: ml_collections.ConfigDict) -> None:

@@ -20,6 +20,8 @@ from rljax.models.rope import LinearRopeScaling, RopeScaling, Scaling, YarnRopeS
 
 ACTIVATIONS = ("silu", "gelu_tanh")   # the MLP's gate activation: SwiGLU, or GeGLU with tanh-approximated GELU
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")   # the backends of rljax.models.attention
+MOE_KERNELS = ("auto", "ragged_dot", "megablox")   # the grouped matmul of the experts (rljax.models.moe)
+MOE_DISPATCH = ("auto", "gather", "all_to_all")     # how tokens reach their experts' chips (rljax.models.moe)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -74,6 +76,72 @@ class LoraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """A mixture of experts in place of the dense MLP (rljax/models/moe.py): a router picks the top
+  `experts_per_token` of `num_experts` SwiGLU experts for each token, dropless.
+
+  num_experts: E routed experts per MoE layer. experts_per_token: k, the experts a token goes to.
+  intermediate_size: each expert's SwiGLU width (HF `moe_intermediate_size`; the dense layers'
+    width is ModelConfig.intermediate_size).
+  norm_topk_prob: the k gates are renormalised to sum to 1 (else they are the router's softmax
+    probabilities of the chosen experts, as they are).
+  sparse_step, dense_layers: HF's `decoder_sparse_step` and `mlp_only_layers`: layer i is a MoE
+    layer unless i is in dense_layers or (i + 1) % sparse_step != 0 (`ModelConfig.moe_layers`).
+  aux_loss_coef: weight of the load-balancing loss (Switch Transformer's E * sum_e f_e P_e per
+    layer, averaged over the MoE layers, as transformers computes it); 0 = off (the RL default,
+    as in verl). z_loss_coef: weight of the router z-loss (mean over tokens of logsumexp(logits)^2,
+    averaged over the MoE layers); 0 = off. Both are over real tokens only.
+  routing_replay: the learner computes with the experts the sampler chose for each token
+    (recorded in the Rollout) instead of choosing again; the gates are recomputed from the
+    learner's router at those experts, so the router still gets gradients.
+  kernel: the grouped matmul of the experts: "ragged_dot" (`jax.lax.ragged_dot`: XLA's native
+    kernel on TPU and GPU, a masked dense loop on CPU), "megablox" (the Pallas TPU kernel; TPU
+    only), "auto" (ragged_dot everywhere: see docs/models.md for why megablox is not the default).
+  dispatch: how tokens reach the chips holding their experts when the experts are split over the
+    mesh's fsdp axis: "gather" (all-gather the tokens over fsdp, each chip computes its experts,
+    reduce-scatter the outputs), "all_to_all" (ragged all-to-all of each token's copies to its
+    experts' chips and back), "auto" (all_to_all when the fsdp axis is wider than k, else gather:
+    the cheaper in bytes; docs/models.md).
+  """
+  num_experts: int
+  experts_per_token: int
+  intermediate_size: int
+  norm_topk_prob: bool = False
+  sparse_step: int = 1
+  dense_layers: tuple[int, ...] = ()
+  aux_loss_coef: float = 0.0
+  z_loss_coef: float = 0.0
+  routing_replay: bool = False
+  kernel: str = "auto"
+  dispatch: str = "auto"
+
+  def __post_init__(self):
+    object.__setattr__(self, "dense_layers", tuple(sorted({int(i) for i in self.dense_layers})))
+    for name in ("num_experts", "experts_per_token", "intermediate_size", "sparse_step"):
+      if int(getattr(self, name)) < 1:
+        raise ConfigError(f"model.moe.{name}={getattr(self, name)!r} must be a positive integer.")
+    if self.experts_per_token > self.num_experts:
+      raise ConfigError(f"model.moe.experts_per_token={self.experts_per_token} exceeds model.moe.num_experts="
+                        f"{self.num_experts}.")
+    if any(i < 0 for i in self.dense_layers):
+      raise ConfigError(f"model.moe.dense_layers={list(self.dense_layers)} must hold layer indices >= 0.")
+    for name in ("aux_loss_coef", "z_loss_coef"):
+      v = float(getattr(self, name))
+      if not (v >= 0 and v < float("inf")):
+        raise ConfigError(f"model.moe.{name}={getattr(self, name)!r} must be a finite number >= 0 (0 = off).")
+    if self.kernel not in MOE_KERNELS:
+      raise ConfigError(f"model.moe.kernel={self.kernel!r} is not supported; use one of {MOE_KERNELS}.")
+    if self.dispatch not in MOE_DISPATCH:
+      raise ConfigError(f"model.moe.dispatch={self.dispatch!r} is not supported; use one of {MOE_DISPATCH}.")
+
+  def is_moe_layer(self, i: int) -> bool:
+    return i not in self.dense_layers and (i + 1) % self.sparse_step == 0
+
+  def replace(self, **kw) -> "MoeConfig":
+    return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer.
 
@@ -96,6 +164,9 @@ class ModelConfig:
   rope_scaling: None, or the scaling of the (global layers') RoPE frequencies: RopeScaling (Llama 3),
   LinearRopeScaling or YarnRopeScaling (rljax/models/rope.py). max_position_embeddings is
   config.json's; `context_length` is the context the model is configured for (YaRN's scaled one).
+
+  moe: None (a dense model), or the mixture of experts of the MoE layers (`MoeConfig`; a MoE
+  family's models always have one). `moe_layers` says which layers are MoE layers.
 
   lora: low-rank adapters on the projections (None = off). The parameter tree then holds
   `<name>_lora_a` / `<name>_lora_b` leaves beside each adapted `<name>_kernel`, always float32;
@@ -134,6 +205,7 @@ class ModelConfig:
   sliding_layers: tuple[bool, ...] = ()
   rope_local_theta: float | None = None
   lora: LoraConfig | None = None
+  moe: MoeConfig | None = None
 
   def __post_init__(self):
     family = _families().get(self.architecture)   # ConfigError naming model.architecture when unknown
@@ -167,12 +239,27 @@ class ModelConfig:
                           f"{self.sliding_window!r}; set it to the window size (a positive integer).")
     if self.lora is not None and not set(self.lora.targets) <= set(family.lora_targets):
       raise ConfigError(f"model.lora.targets={list(self.lora.targets)!r}: {self.architecture} models take adapters "
-                        f"on {list(family.lora_targets)} only.")
+                        f"on {list(family.lora_targets)} only{family.lora_note}.")
+    if (self.moe is not None) != family.mixture_of_experts:
+      raise ConfigError(f"model.architecture={self.architecture!r} is a "
+                        f"{'mixture-of-experts' if family.mixture_of_experts else 'dense'} family but model.moe is "
+                        f"{'None' if self.moe is None else 'set'}; "
+                        f"{'give it a MoeConfig' if self.moe is None else 'drop model.moe or use a MoE family'}.")
+    if self.moe is not None and any(i >= self.num_layers for i in self.moe.dense_layers):
+      raise ConfigError(f"model.moe.dense_layers={list(self.moe.dense_layers)} names layers past model.num_layers="
+                        f"{self.num_layers}.")
 
   @property
   def has_sliding_layers(self) -> bool:
     """Whether some layer attends within a sliding window (static: picks code paths)."""
     return self.sliding_window is not None and any(self.sliding_layers)
+
+  @property
+  def moe_layers(self) -> tuple[bool, ...]:
+    """One bool per layer: a MoE layer (all False for a dense model)."""
+    if self.moe is None:
+      return (False,) * self.num_layers
+    return tuple(self.moe.is_moe_layer(i) for i in range(self.num_layers))
 
   @property
   def attention_scale(self) -> float | None:
@@ -208,8 +295,11 @@ class ModelConfig:
     """The same model at depth n, its per-layer sliding pattern repeated or cut to n layers
     (`rljax plan --layers` compiles shallower copies and extrapolates)."""
     pattern = self.sliding_layers
+    moe = self.moe
+    if moe is not None:   # the dense layers that remain (the sparse step applies at any depth)
+      moe = moe.replace(dense_layers=tuple(i for i in moe.dense_layers if i < n))
     return self.replace(num_layers=n, sliding_layers=tuple(pattern[i % len(pattern)] for i in range(n)) if pattern
-                        else ())
+                        else (), moe=moe)
 
   # ---- Hugging Face config.json <-> ModelConfig (the family's work) --------------------------
 

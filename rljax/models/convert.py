@@ -23,8 +23,9 @@ def expected_hf_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
   """HF tensor name -> shape, for every tensor a checkpoint of `c` holds."""
   out = {}
   for spec in tensors(c):
-    for layer in (range(c.num_layers) if spec.per_layer else (None,)):
-      out[spec.hf_name(layer)] = spec.hf_shape
+    for layer in (spec.layer_ids(c.num_layers) if spec.per_layer else (None,)):
+      for name in spec.hf_names(layer):
+        out[name] = spec.hf_shape
   return out
 
 
@@ -46,8 +47,7 @@ def hf_to_params(c: ModelConfig, get: Callable[[str], np.ndarray], names: set[st
   `get(name)` returns a numpy array; `names` is the set of available tensor names.
   Raises WeightsError naming the file and the tensor on a missing tensor or shape mismatch.
   """
-  def fetch(spec, layer=None):
-    name = spec.hf_name(layer)
+  def read(name):
     if name not in names:
       raise WeightsError(f"{source}: tensor {name!r} is missing; the weights do not match config "
                          f"(architecture={c.architecture}, layers={c.num_layers}).")
@@ -55,13 +55,17 @@ def hf_to_params(c: ModelConfig, get: Callable[[str], np.ndarray], names: set[st
     if tuple(w.shape) != spec.hf_shape:
       raise WeightsError(f"{source}: tensor {name!r} has shape {tuple(w.shape)} but the config implies "
                          f"{spec.hf_shape}; config.json and the weights disagree.")
-    return layouts.to_rljax(spec, w.astype(np.float32) if w.dtype != np.float32 else w)
+    return w.astype(np.float32) if w.dtype != np.float32 else w
+
+  def fetch(spec, layer=None):
+    ws = [read(name) for name in spec.hf_names(layer)]
+    return layouts.to_rljax(spec, ws if spec.layout == "experts" else ws[0])
 
   dtype = np.dtype(c.storage_dtype)
   params: dict = {}
   for spec in tensors(c):
     if spec.per_layer:
-      value = np.stack([fetch(spec, i) for i in range(c.num_layers)])
+      value = np.stack([fetch(spec, i) for i in spec.layer_ids(c.num_layers)])
     else:
       value = fetch(spec)
     tree_set(params, spec.tree_path, value.astype(dtype))
@@ -78,8 +82,9 @@ def params_to_hf(c: ModelConfig, params, dtype=np.float32) -> dict[str, np.ndarr
   for spec in tensors(c):
     value = np.asarray(tree_get(params, spec.tree_path), dtype=np.float32)
     if spec.per_layer:
-      for i in range(c.num_layers):
-        put(spec.hf_name(i), layouts.to_hf(spec, value[i]))
+      for j, i in enumerate(spec.layer_ids(c.num_layers)):
+        for name, w in zip(spec.hf_names(i), layouts.to_hf_list(spec, value[j])):
+          put(name, w)
     else:
       put(spec.hf_name(), layouts.to_hf(spec, value))
   return out

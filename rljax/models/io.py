@@ -244,10 +244,10 @@ def _place_slices(c: ModelConfig, ckpt: "_SafetensorsCheckpoint", shardings) -> 
       if not spec.per_layer:
         return layouts.read_block(spec, ckpt.read, spec.hf_name(), tuple(index)).astype(dtype)
       first, *rest = index
-      return np.stack([layouts.read_block(spec, ckpt.read, spec.hf_name(i), tuple(rest)).astype(dtype)
-                       for i in range(c.num_layers)[first]])
+      return np.stack([layouts.read_block(spec, ckpt.read, _names(spec, i), tuple(rest)).astype(dtype)
+                       for i in spec.layer_ids(c.num_layers)[first]])
 
-    shape = ((c.num_layers,) if spec.per_layer else ()) + spec.shape
+    shape = ((len(spec.layer_ids(c.num_layers)),) if spec.per_layer else ()) + spec.shape
     tree_set(params, spec.tree_path, jax.make_array_from_callback(shape, sharding, shard))
   return params
 
@@ -259,12 +259,23 @@ def _place_whole(c: ModelConfig, get, shardings) -> dict:
   params: dict = {}
   for spec in tensors(c):
     if spec.per_layer:
-      value = np.stack([layouts.to_rljax(spec, get(spec.hf_name(i))).astype(dtype) for i in range(c.num_layers)])
+      value = np.stack([_to_rljax(spec, get, i).astype(dtype) for i in spec.layer_ids(c.num_layers)])
     else:
       value = layouts.to_rljax(spec, get(spec.hf_name())).astype(dtype)
     tree_set(params, spec.tree_path, jax.device_put(value, tree_get(shardings, spec.tree_path)))
     del value
   return params
+
+
+def _names(spec: layouts.Tensor, layer: int):
+  """The HF name of layer `layer`'s tensor, or the list of its experts' names ("experts" layout)."""
+  names = spec.hf_names(layer)
+  return names if spec.layout == "experts" else names[0]
+
+
+def _to_rljax(spec: layouts.Tensor, get, layer: int) -> np.ndarray:
+  ws = [get(name) for name in spec.hf_names(layer)]
+  return layouts.to_rljax(spec, ws if spec.layout == "experts" else ws[0])
 
 
 def _load_tokenizer(path: str):

@@ -3,11 +3,12 @@ RMSNorm, the token embedding and the dense (gated) MLP.
 
 Shapes: B = batch, T = tokens, D = hidden, F = MLP width, r = LoRA rank.
 
-A feed-forward block (`MLP` here; a family may supply another, e.g. a mixture of experts, through
-`Family.feed_forward`) is called as `block(config, name="mlp")(h [B, T, D], token_mask [B, T] bool
-or None)` and returns `(y [B, T, D], stats)`, stats being `rljax.models.outputs.no_stats()` or
-its filled-in form: auxiliary losses (scalars, already weighted by the config's coefficients) and
-router statistics, which the layers stack and the model returns in its `ModelOutput`.
+A feed-forward block (`MLP` here; a family may supply others, e.g. a mixture of experts in
+rljax/models/moe.py, through `Family.block`) is called as `block(config, name=...)(h [B, T, D],
+token_mask [B, T] bool or None)` (a routed block also takes `replay`, expert ids to use) and
+returns `(y [B, T, D], stats)`, stats being `rljax.models.outputs.no_stats()` or its filled-in
+form: auxiliary losses (scalars, already weighted by the config's coefficients) and router
+statistics, which the layers stack and the model returns in its `ModelOutput`.
 """
 from __future__ import annotations
 

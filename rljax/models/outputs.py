@@ -39,7 +39,15 @@ class ModelOutput:
     return sum(self.aux_losses.values(), jnp.zeros((), jnp.float32))
 
 
-def collect_stats(stacked: dict[str, dict[str, jax.Array]]) -> tuple[dict, dict]:
-  """The layers' stacked statistics ([L, ...] leaves) -> (aux_losses summed over layers, router [L, ...])."""
-  aux = {name: jnp.sum(value.astype(jnp.float32)) for name, value in stacked.get("aux_losses", {}).items()}
-  return aux, dict(stacked.get("router", {}))
+def collect_stats(runs: list[dict[str, dict[str, jax.Array]]]) -> tuple[dict, dict]:
+  """The statistics of the runs of layers, in model order, each stacked over its layers ([n, ...]
+  leaves) -> (aux_losses summed over every layer, router statistics concatenated over the layers
+  that have them [L_routed, ...])."""
+  aux: dict = {}
+  router: dict = {}
+  for stacked in runs:
+    for name, value in stacked.get("aux_losses", {}).items():
+      aux[name] = aux.get(name, 0.0) + jnp.sum(value.astype(jnp.float32))
+    for name, value in stacked.get("router", {}).items():
+      router.setdefault(name, []).append(value)
+  return aux, {name: v[0] if len(v) == 1 else jnp.concatenate(v, axis=0) for name, v in router.items()}

@@ -16,6 +16,15 @@ Positions are explicit ([B, T] int32) so left-padded prompts get the same RoPE
 phases as unpadded ones. Layers are stacked and run with `nn.scan`, so compile
 time does not grow with depth.
 
+Layers of different kinds (a mixture of experts with dense layers mixed in: the family's
+`layer_kinds`) cannot share one scan: each kind has its own stack ("layers" for the family's main
+kind, "<kind>_layers" for the others; `Family.stack_names`), and the forward runs the model's
+runs of same-kind layers in order, each a scan over its slice of its kind's stack
+(`LayerPlan`). A model of one kind (every dense family, a MoE model without dense layers) is one
+stack and one scan, as before; a model with a few dense layers first is two scans; an
+alternating pattern (decoder_sparse_step 2) is one scan per layer, so its compile time grows
+with depth.
+
 Per-layer differences (Gemma's sliding-window layers and their RoPE base) are data, not
 code: a [L] bool array of sliding flags is scanned with the layers, and a layer selects its
 mask, window and RoPE tables with `jnp.where` on its flag. A sliding layer lets a query at
@@ -27,6 +36,8 @@ The forward returns a `ModelOutput` (rljax/models/outputs.py); RoPE and its scal
 rljax/models/rope.py, norms, embedding and the dense MLP in rljax/models/layers.py.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -169,16 +180,19 @@ class DecoderLayer(nn.Module):
   tables of `layer_rope`. Norms: input_norm before attention, post_attn_norm before the feed-forward
   block (HF's post_attention_layernorm for Llama / Qwen, pre_feedforward_layernorm for Gemma) and,
   with `sandwich_norms`, attn_out_norm / mlp_out_norm on each branch's output before its residual add.
-  The feed-forward block is the family's (`Family.feed_forward`: the dense MLP for every family today).
+  The feed-forward block is the family's block of this layer's `kind` (`Family.block`: the dense
+  MLP, or a mixture of experts).
 
   Returns (x, (new_cache, stats)): stats the block's auxiliary losses and router statistics
   (`rljax.models.outputs.no_stats()` for a dense MLP); token_mask [B, T] bool (None: all real)
-  tells the block which tokens are real."""
+  tells the block which tokens are real; replay (routed blocks only): [B, T, k] expert ids to use
+  instead of the router's choice (routing replay), or None."""
   config: ModelConfig
+  kind: str = "dense"
 
   @nn.compact
   def __call__(self, x, cache: LayerCache | None, sliding, rope, mask, index, prefix: PrefixView | None = None,
-               token_mask=None):
+               token_mask=None, replay=None):
     c = self.config
     if not c.has_sliding_layers:
       sliding = None
@@ -189,12 +203,81 @@ class DecoderLayer(nn.Module):
       attn = make_norm(c, name="attn_out_norm")(attn)
     x = x + attn
     h = make_norm(c, name="post_attn_norm")(x)
-    out, stats = families.feed_forward(c)(c, name="mlp")(h, token_mask)
+    name, block = families.get(c.architecture).block(c, self.kind)
+    out, stats = block(c, name=name)(h, token_mask, *(() if replay is None else (replay,)))
     if c.sandwich_norms:
       out = make_norm(c, name="mlp_out_norm")(out)
     x = x + out
     x = shd.constrain(x, ("batch", "length", "embed"))
     return x, (new_cache, stats)
+
+
+def routed(kind: str) -> bool:
+  """Whether layers of `kind` route tokens to experts (record and replay expert ids)."""
+  return kind == "moe"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+  """How a model's layers are stacked and run.
+
+  kinds: each layer's kind, in model order; stacks: kind -> its stack's key in the parameter tree;
+  index: each layer's position in its kind's stack; route_index: each layer's position among the
+  routed (mixture-of-experts) layers, or -1; segments: the runs of consecutive same-kind layers,
+  (kind, first layer, end layer, first stack index), run in order.
+  """
+  kinds: tuple[str, ...]
+  stacks: dict
+  index: tuple[int, ...]
+  route_index: tuple[int, ...]
+  segments: tuple[tuple[str, int, int, int], ...]
+
+  @property
+  def routed_layers(self) -> int:
+    return sum(i >= 0 for i in self.route_index)
+
+  def count(self, kind: str) -> int:
+    return sum(k == kind for k in self.kinds)
+
+
+def layer_plan(config: ModelConfig) -> LayerPlan:
+  family = families.get(config.architecture)
+  kinds = family.layer_kinds(config)
+  seen: dict[str, int] = {}
+  index, route_index, segments = [], [], []
+  routes = 0
+  for i, kind in enumerate(kinds):
+    index.append(seen.get(kind, 0))
+    seen[kind] = index[-1] + 1
+    route_index.append(routes if routed(kind) else -1)
+    routes += routed(kind)
+    if segments and segments[-1][0] == kind:
+      segments[-1][2] = i + 1
+    else:
+      segments.append([kind, i, i + 1, index[-1]])
+  return LayerPlan(tuple(kinds), family.stack_names(config), tuple(index), tuple(route_index),
+                   tuple(tuple(x) for x in segments))
+
+
+_UNSET = object()
+
+
+def _stack_module(config: ModelConfig, kind: str, length: int, name: str | None = None, parent=_UNSET):
+  """The scanned stack of `length` layers of `kind` (remat when config.remat); parent=None makes
+  it unbound (applied to a slice of a stack's parameters)."""
+  layer = DecoderLayer
+  if config.remat:
+    layer = nn.remat(DecoderLayer, prevent_cse=False, static_argnums=())
+  scanned = nn.scan(
+      layer,
+      variable_axes={"params": 0},
+      split_rngs={"params": True, "dropout": True},
+      in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+      length=length,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+  )
+  kw = {} if parent is _UNSET else {"parent": parent}
+  return scanned(config, kind=kind, name=name, **kw) if name is not None else scanned(config, kind=kind, **kw)
 
 
 class Transformer(nn.Module):
@@ -206,17 +289,8 @@ class Transformer(nn.Module):
     c = self.config
     self.embed = param(self, "embedding", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
                         ("vocab", "embed"), c.storage_dtype)
-    layer = DecoderLayer
-    if c.remat:
-      layer = nn.remat(DecoderLayer, prevent_cse=False, static_argnums=())
-    self.layers = nn.scan(
-        layer,
-        variable_axes={"params": 0},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-        length=c.num_layers,
-        metadata_params={nn.PARTITION_NAME: "layers"},
-    )(c, name="layers")
+    plan = layer_plan(c)
+    self.stacks = {kind: _stack_module(c, kind, plan.count(kind), name=name) for kind, name in plan.stacks.items()}
     self.final_norm = make_norm(c, name="final_norm")
     if not c.tie_word_embeddings:
       self.lm_head = param(self, "lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size),
@@ -231,16 +305,20 @@ class Transformer(nn.Module):
     return kernel.astype(self.config.compute_dtype)
 
   def __call__(self, tokens, positions, token_mask=None, cache: KVCache | None = None, *, segment_ids=None,
-               return_hidden=False):
+               return_hidden=False, routes=None):
     """tokens, positions: [B, T] int32; token_mask: [B, T] bool (default all valid).
 
     segment_ids (without a cache only): [B, T] int32, packed rows whose tokens attend only within
     their segment (default None: one segment per row); give each segment its own positions.
 
+    routes (mixture-of-experts models): None, or [B, T, L_moe, k] expert ids to replay in the
+    L_moe routed layers (routing replay; ids >= E: the layer routes that token itself).
+
     Returns a `ModelOutput`: `logits` [B, T, V] float32 (soft-capped when `final_logit_softcap`),
     or, with `return_hidden`, `hidden`, the final-normed hidden states [B, T, D] in the compute
     dtype (for chunked log-probs); `cache` the updated cache (None when none was given);
-    `aux_losses` and `router` from the feed-forward blocks (empty for dense models).
+    `aux_losses` and `router` from the feed-forward blocks (empty for dense models; `router`'s
+    statistics are stacked over the routed layers, e.g. `experts` [L_moe, B, T, k]).
     """
     c = self.config
     b, t = tokens.shape
@@ -266,7 +344,8 @@ class Transformer(nn.Module):
         mask = (mask, mask & window_mask(c, positions, cache_key_positions(kv_mask)))
       layer_caches = cache.layers
 
-    x, (new_layers, stats) = self.layers(x, layer_caches, sliding_flags(c), rope, mask, index, None, token_mask)
+    replay = None if routes is None else jnp.moveaxis(routes, 2, 0)   # [L_moe, B, T, k]
+    x, new_layers, stats = self._run_layers(x, layer_caches, rope, mask, index, token_mask, replay)
     x = self.final_norm(x)
     new_cache = None
     if cache is not None:
@@ -277,6 +356,41 @@ class Transformer(nn.Module):
     logits = jnp.einsum("btd,dv->btv", x, self.output_kernel(), preferred_element_type=jnp.float32)
     return ModelOutput(logits=soft_cap(logits, c.final_logit_softcap), cache=new_cache, aux_losses=aux_losses,
                        router=router)
+
+  def _run_layers(self, x, caches, rope, mask, index, token_mask, replay):
+    """Every layer in model order: one scan per run of same-kind layers (module doc). Returns
+    (x, the new stacked caches or None, the runs' stacked statistics in order)."""
+    c = self.config
+    plan = layer_plan(c)
+    flags = sliding_flags(c)
+    if len(plan.segments) == 1:   # one kind: the whole stack, one scan
+      x, (new, stats) = self.stacks[plan.kinds[0]](x, caches, flags, rope, mask, index, None, token_mask, replay)
+      return x, new, [stats]
+    if self.is_initializing():   # make every stack's parameters (the forward's value is not used)
+      for kind in plan.stacks:
+        x, _ = self.stacks[kind](x, None, flags[:plan.count(kind)], rope, mask, index, None, token_mask, None)
+      return x, caches, []
+    params = self.variables["params"]
+    dropout = self.make_rng("dropout") if self.has_rng("dropout") else None
+    new_caches, all_stats = [], []
+    for kind, first, end, at in plan.segments:
+      n = end - first
+      take = lambda a, lo=at, n=n: jax.lax.slice_in_dim(a, lo, lo + n, axis=0)
+      layer_caches = None if caches is None else jax.tree.map(lambda a: a[first:end], caches)
+      seg_replay = None
+      if replay is not None and routed(kind):
+        r0 = plan.route_index[first]
+        seg_replay = replay[r0:r0 + n]
+      stack = _stack_module(c, kind, n, parent=None)
+      rngs = None if dropout is None else {"dropout": jax.random.fold_in(dropout, first)}
+      x, (new, stats) = stack.apply({"params": jax.tree.map(take, params[plan.stacks[kind]])}, x, layer_caches,
+                                    flags[first:end], rope, mask, index, None, token_mask, seg_replay, rngs=rngs)
+      new_caches.append(new)
+      all_stats.append(stats)
+    new_layers = None
+    if caches is not None:
+      new_layers = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *new_caches)
+    return x, new_layers, all_stats
 
   def hidden_to_logits(self, hidden):
     """[..., D] -> [..., V] float32 logits (soft-capped when `final_logit_softcap`)."""
@@ -293,8 +407,9 @@ class Transformer(nn.Module):
     prefix: None, or the prompt cache that each group of B / P consecutive rows (or, pointed,
     each row its own prompt: `PrefixCache.point`) attends before its own slots. Token w of a row
     attends to its prefix, then to the slots <= index + w whose mask is set. Returns the
-    final-normed hidden states [B, W, D] (compute dtype) and the cache with the new tokens (index
-    advanced by W).
+    final-normed hidden states [B, W, D] (compute dtype), the cache with the new tokens (index
+    advanced by W) and, for a mixture of experts, the experts each new token was routed to in each
+    routed layer, [B, W, L_moe, k] int32 (None for dense models).
 
     One cache array and one parameter tree per layer instead of the scanned [L, ...] stacks:
     slicing a layer out of a stack inside a decode loop copies its cache and weights on every
@@ -326,20 +441,26 @@ class Transformer(nn.Module):
         window = rows(prefix.mask)[:, None, :] & window_mask(c, positions, rows(cache_key_positions(prefix.mask)))
       mask = (mask, mask & window_mask(c, positions, cache_key_positions(kv_mask, before)))
     flags = c.sliding_layers if c.has_sliding_layers else (False,) * c.num_layers
-    layer = DecoderLayer(c, parent=None)
-    new = []
+    plan = layer_plan(c)
+    new, routes = [], []
     for i, (p, layer_cache) in enumerate(zip(layers, cache.layers)):
       view = None if prefix is None else PrefixView(prefix.layers[i], prefix.mask, window, prefix.index, prefix.blocks)
-      x, (layer_cache, _) = layer.apply({"params": p}, x, layer_cache, jnp.asarray(flags[i]), rope, mask, index, view)
+      layer = DecoderLayer(c, kind=plan.kinds[i], parent=None)
+      x, (layer_cache, stats) = layer.apply({"params": p}, x, layer_cache, jnp.asarray(flags[i]), rope, mask, index,
+                                            view, token_mask)
       new.append(layer_cache)
+      if routed(plan.kinds[i]):
+        routes.append(stats["router"]["experts"])
     x = self.final_norm(x)
-    return x, DecodeCache(tuple(new), kv_mask, index + w)
+    return x, DecodeCache(tuple(new), kv_mask, index + w), (jnp.stack(routes, axis=2) if routes else None)
 
 
 def layer_params(config: ModelConfig, params) -> tuple:
-  """The [L, ...] stacked layer parameters as L per-layer trees (for `Transformer.decode`), sliced
-  once: call it outside a decode loop."""
-  return tuple(jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(config.num_layers))
+  """The stacked layer parameters as L per-layer trees in model order (for `Transformer.decode`),
+  sliced once: call it outside a decode loop."""
+  plan = layer_plan(config)
+  return tuple(jax.tree.map(lambda a, j=plan.index[i]: a[j], params[plan.stacks[kind]])
+               for i, kind in enumerate(plan.kinds))
 
 
 def positions_from_mask(token_mask: jax.Array) -> jax.Array:

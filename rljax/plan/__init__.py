@@ -76,6 +76,8 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
         opt_state_bytes=0 if program == "sampler" else full.opt_bytes,
         ref_params_bytes=0 if program == "sampler" else full.ref_bytes,
         kv_cache_bytes=0 if program == "learner" else kv,
+        expert_params_bytes=full.expert_sampler_bytes if program == "sampler" else full.expert_param_bytes,
+        expert_opt_state_bytes=0 if program == "sampler" else full.expert_opt_bytes,
         hbm_bytes=topo.hbm_bytes or compiled.oom_available_bytes, extrapolated_from=layers)
     r.suggestions = rep.suggestions(r, run, topo, mesh_shape)
     reports.append(r)

@@ -124,6 +124,18 @@ def bytes_per_chip(tree) -> int:
   return total
 
 
+def expert_bytes_per_chip(tree) -> int:
+  """Bytes one chip holds of the routed experts' kernels in a tree shaped like the parameters (the
+  parameters, or optimizer state that mirrors them): leaves under a `moe` block named
+  gate/up/down_kernel ([E, ...] per layer). 0 for a dense model."""
+  total = 0
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    if "moe" in keys and keys[-1] in ("gate_kernel", "up_kernel", "down_kernel"):
+      total += bytes_per_chip([x])
+  return total
+
+
 def kv_cache_bytes(mc: ModelConfig, mesh, prompts: int, rows: int, prompt_len: int, completion_len: int) -> int:
   """Per-chip bytes of the sampler's KV caches: the prompt cache [P, K, Dh, Lp] shared by a prompt's
   G rows, and each row's completion cache [N, K, Dh, T], keys and values, every layer, in the
@@ -166,6 +178,9 @@ class Inputs:
   sampler_param_bytes: int  # what the sampler is given: `param_bytes + frozen_bytes`
   frozen_bytes: int = 0     # LoRA: the frozen base, in the storage dtype (model.dtype)
   trainable_params: int = 0  # parameter count the optimizer updates (the whole model, or the adapters)
+  expert_param_bytes: int = 0  # of param_bytes, the routed experts' kernels (mixture of experts)
+  expert_opt_bytes: int = 0    # of opt_bytes, the optimizer state of those kernels
+  expert_sampler_bytes: int = 0  # of sampler_param_bytes, the experts' kernels the sampler is given
 
 
 def build_inputs(run: Run, mesh) -> Inputs:
@@ -191,7 +206,10 @@ def build_inputs(run: Run, mesh) -> Inputs:
                 ref_bytes=bytes_per_chip(state.ref_params) if state.ref_params is not None else 0,
                 sampler_param_bytes=bytes_per_chip(sampler_params),
                 frozen_bytes=bytes_per_chip(state.frozen) if state.frozen is not None else 0,
-                trainable_params=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)))
+                trainable_params=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+                expert_param_bytes=expert_bytes_per_chip(state.params),
+                expert_opt_bytes=expert_bytes_per_chip(state.opt_state),
+                expert_sampler_bytes=expert_bytes_per_chip(sampler_params))
 
 
 def program_of(name: str, run: Run, mesh, inputs: Inputs, reward_fn=None) -> tuple[Callable, tuple]:

@@ -5,6 +5,9 @@ Per program (all figures per chip, bytes):
   params_bytes, opt_state_bytes, ref_params_bytes: exact, from each leaf's shard shape; under LoRA
     params_bytes is the trainable adapters (fp32) and frozen_params_bytes the frozen base (in its
     storage dtype, model.dtype), which is also the KL reference (ref_params_bytes 0);
+  expert_params_bytes, expert_opt_state_bytes (mixture of experts): of the above, the routed
+    experts' kernels and their optimizer state (most of a MoE model: Qwen3-30B-A3B's are 29B of
+    its 30.5B parameters), split like the trainer splits them;
   kv_cache_bytes (sampler, fused): 2 * L * K * Dh * (P * Lp + N * T) * dtype bytes, split like the
     sampler splits the caches (rows over data x fsdp, KV heads over tensor);
   argument / output / alias / temp bytes: the compiler's memory analysis of the per-chip program;
@@ -21,6 +24,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from rljax.models import families
 from rljax.plan.programs import Compiled, Run, rows_per_chip
 from rljax.plan.topology import GIB, Topology, next_larger
 
@@ -78,6 +82,8 @@ class ProgramReport:
   kv_cache_bytes: int
   hbm_bytes: int | None
   frozen_params_bytes: int = 0
+  expert_params_bytes: int = 0       # of params_bytes (+ frozen), the routed experts' kernels (MoE)
+  expert_opt_state_bytes: int = 0    # of opt_state_bytes, those kernels' optimizer state
   extrapolated_from: tuple[int, int] | None = None
   suggestions: list[str] = dataclasses.field(default_factory=list)
 
@@ -112,6 +118,8 @@ class ProgramReport:
         "state_bytes": self.state_bytes,
         "opt_state_bytes": self.opt_state_bytes,
         "ref_params_bytes": self.ref_params_bytes,
+        "expert_params_bytes": self.expert_params_bytes,
+        "expert_opt_state_bytes": self.expert_opt_state_bytes,
         "kv_cache_bytes": self.kv_cache_bytes,
         "argument_bytes": c.argument_bytes,
         "output_bytes": c.output_bytes,
@@ -197,6 +205,9 @@ def render_text(plan: dict) -> str:
       f"compute {m['dtype']}, parameters {m['param_dtype']}"
       + (f" (frozen base) + float32 LoRA adapters, rank {m['lora']['rank']} on {','.join(m['lora']['targets'])}: "
          f"{m['trainable_params'] / 1e6:.2f}M trainable" if m.get("lora") else "")
+      + (f", mixture of experts: {m['moe']['experts_per_token']} of {m['moe']['num_experts']} experts per token, "
+         f"{m['moe']['active_params'] / 1e9:.2f}B active parameters, routing replay "
+         f"{'on' if m['moe']['routing_replay'] else 'off'}" if m.get("moe") else "")
       + f", remat {'on' if m['remat'] else 'off'}"
       + (f", attention {m['attention']}" if m.get("attention") else "")
       + f", {r['updates']} optimizer update(s) per step, {r['micro_batches']} micro-batch(es) each",
@@ -219,8 +230,12 @@ def render_text(plan: dict) -> str:
   ]
   if lora:
     rows.append(("frozen base params", lambda p: fmt_bytes(p["frozen_params_bytes"])))
+  if m.get("moe"):
+    rows.append(("  of which experts", lambda p: fmt_bytes(p["expert_params_bytes"])))
   rows += [
       ("optimizer state", lambda p: fmt_bytes(p["opt_state_bytes"]) if p["program"] != "sampler" else "-"),
+      *([("  of which experts", lambda p: fmt_bytes(p["expert_opt_state_bytes"]) if p["program"] != "sampler"
+          else "-")] if m.get("moe") else []),
       ("reference params", lambda p: fmt_bytes(p["ref_params_bytes"]) if p["ref_params_bytes"] else
        ("- (the base)" if lora and r["reference_model"] and p["program"] != "sampler" else "-")),
       ("state (sum of the above)", lambda p: fmt_bytes(p["state_bytes"])),
@@ -324,4 +339,10 @@ def model_json(run: Run, trainable_params: int | None = None) -> dict:
                                           "targets": list(lc.targets)}}
   if getattr(mc, "attention", None) is not None:
     out["attention"] = mc.attention
+  if getattr(mc, "moe", None) is not None:
+    m = mc.moe
+    out["moe"] = {"num_experts": m.num_experts, "experts_per_token": m.experts_per_token,
+                  "expert_intermediate_size": m.intermediate_size, "moe_layers": sum(mc.moe_layers),
+                  "active_params": families.get(mc.architecture).active_params(mc),
+                  "routing_replay": m.routing_replay, "kernel": m.kernel, "dispatch": m.dispatch}
   return out

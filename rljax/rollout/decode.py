@@ -141,8 +141,15 @@ class CachedModel:
 
     Returns (cache, logits): the stacked KVCache ([L, P, ...], index Lp) and the float32 logits
     [P, V] that predict each prompt's next token (from its last real token). `constrain(x,
-    logical_axes)` places sharding constraints (identity by default).
+    logical_axes)` places sharding constraints (identity by default). `prefill_with_routes` also
+    returns the prompts' routes (mixture of experts).
     """
+    cache, logits, _ = self.prefill_with_routes(prompt_ids, prompt_mask, slots, constrain)
+    return cache, logits
+
+  def prefill_with_routes(self, prompt_ids, prompt_mask, slots: int, constrain=lambda x, logical: x):
+    """`prefill`, and the experts each prompt token was routed to, [P, Lp, L_moe, k] int32 (None
+    for a dense model)."""
     cache = KVCache.init(self.config, prompt_ids.shape[0], slots)
     layers = LayerCache(constrain(cache.layers.k, ("layers", "batch", "kv_heads", "head_dim", "length")),
                         constrain(cache.layers.v, ("layers", "batch", "kv_heads", "length", "head_dim")))
@@ -150,20 +157,22 @@ class CachedModel:
                       cache.replace(layers=layers), return_hidden=True)
     last = _last_true(prompt_mask)
     h_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [P, D]
-    return out.cache, self.logits(h_last)
+    experts = out.router.get("experts")
+    routes = None if experts is None else jnp.moveaxis(experts, 0, 2)
+    return out.cache, self.logits(h_last), routes
 
   def forward(self, tokens, positions, token_mask, cache: DecodeCache, prefix: PrefixCache | None = None):
     """W new tokens per row: tokens, positions [B, W] int32, token_mask [B, W] bool, written at
-    slots [cache.index, cache.index + W). Returns the final-normed hidden states [B, W, D] and the
-    cache (`Transformer.decode`)."""
+    slots [cache.index, cache.index + W). Returns the final-normed hidden states [B, W, D], the
+    cache and the new tokens' routes [B, W, L_moe, k] (None for dense models; `Transformer.decode`)."""
     return self.module.apply({"params": self.params}, self.layers, tokens, positions, token_mask, cache, prefix,
                              method=Transformer.decode)
 
   def step(self, tokens, positions, token_mask, cache: DecodeCache, prefix: PrefixCache | None = None):
     """One new token per row: tokens, positions [B] int32, token_mask [B] bool. Returns logits
-    [B, V] float32 and the cache."""
-    hidden, cache = self.forward(tokens[:, None], positions[:, None], token_mask[:, None], cache, prefix)
-    return self.logits(hidden[:, 0]), cache
+    [B, V] float32, the cache and the tokens' routes [B, L_moe, k] (None for dense models)."""
+    hidden, cache, routes = self.forward(tokens[:, None], positions[:, None], token_mask[:, None], cache, prefix)
+    return self.logits(hidden[:, 0]), cache, (None if routes is None else routes[:, 0])
 
   def logits(self, hidden):
     """[..., D] -> [..., V] float32 logits (`Transformer.hidden_to_logits`)."""

@@ -51,6 +51,7 @@ from rljax import sharding as shd
 from rljax.errors import ConfigError
 from rljax.models.cache import DecodeCache, PrefixCache
 from rljax.models.config import ModelConfig
+from rljax.models.moe import expert_id_dtype
 from rljax.models.policy import param_logical_axes
 from rljax.rollout import slots
 from rljax.rollout.decode import CachedModel, DecodeState, choose, pad_token_id
@@ -78,6 +79,10 @@ class SampleOutput:
   decode_step: [B] int32, the decode step (1-based loop iteration) that chose the row's last
     token; 0 for rows done at their first token (drawn from the prefill). Its max is the steps
     the decode loop ran.
+  routes: mixture-of-experts models with routing replay on (`MoeConfig.routing_replay`): the
+    experts each token of [prompt | completion] was routed to in each routed layer, [B, Lp + T,
+    L_moe, k] (`rljax.models.moe.expert_id_dtype`; E where not recorded: a completion's last
+    token, which no step feeds back); else None.
   num_samples: G (static).
 
   `grouped()` returns the same fields reshaped to [P, G, ...].
@@ -91,6 +96,7 @@ class SampleOutput:
   prompt_ids: jax.Array
   prompt_mask: jax.Array
   decode_step: jax.Array
+  routes: jax.Array | None = None
   num_samples: int = struct.field(pytree_node=False, default=1)
 
   @property
@@ -106,7 +112,8 @@ class SampleOutput:
     """The samples as the learner's `Rollout` (every completion token is the model's)."""
     return Rollout.single_turn(prompt_ids=self.prompt_ids, prompt_mask=self.prompt_mask, tokens=self.tokens,
                                mask=self.mask, logprobs=self.logprobs, entropy=self.entropy, lengths=self.lengths,
-                               truncated=self.truncated, group_size=self.num_samples, decode_step=self.decode_step)
+                               truncated=self.truncated, group_size=self.num_samples, decode_step=self.decode_step,
+                               routes=self.routes)
 
 
 def check_lengths(config: ModelConfig, sp: SamplingParams, prompt_len: int) -> None:
@@ -170,7 +177,8 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   # 1. Prefill, once per prompt, through the learner's forward. Its cache is the prompt cache
   # that the G rows of the prompt share (read-only) while decoding.
   model = CachedModel(config, params)
-  cache, logits = model.prefill(prompt_ids, prompt_mask, width, constrain)
+  record = records_routes(config)
+  cache, logits, prompt_routes = model.prefill_with_routes(prompt_ids, prompt_mask, width, constrain)
   prefix = PrefixCache.from_kv(cache).constrain(constrain)
 
   # 2. Fan out the first-token logits to G rows per prompt and choose every row's first token.
@@ -194,51 +202,74 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   state = jax.tree.map(rows, DecodeState.empty(b, t_new, pad_id, done=~active))
   state, tok = choose_column(state, logits, 0)
 
+  # The experts of each completion token, written by the decode step that feeds it to the model.
+  routes = rows(empty_routes(config, b, t_new)) if record else None
   n_slots = decode_slots(sp, b)
   if n_slots < b:   # 3'. continuous batching: n_slots rows at a time (rljax/rollout/slots.py)
     blocks = batch_blocks(mesh, b, rules)
     check_blocks(n_slots, p, b, blocks)
-    state, decode_step = slots.decode(model, state, prefix, prompt_len, rng, sp, stop_ids, pad_id, n_slots, blocks,
-                                      ends, constrain, vocab=vocab_shards(mesh, rules, (n_slots, config.vocab_size)))
+    state, decode_step, routes = slots.decode(model, state, prefix, prompt_len, rng, sp, stop_ids, pad_id, n_slots,
+                                              blocks, ends, constrain,
+                                              vocab=vocab_shards(mesh, rules, (n_slots, config.vocab_size)),
+                                              routes=routes)
     lengths = jnp.sum(state.mask, axis=-1, dtype=jnp.int32)
   else:
-    state, lengths = _decode_rows(model, state, tok, prefix, prompt_len, choose_column, ends, b, constrain)
+    state, lengths, routes = _decode_rows(model, state, tok, prefix, prompt_len, choose_column, ends, b, constrain,
+                                          routes)
     decode_step = jnp.maximum(lengths - 1, 0)
   # Split by the decode mesh's rows, as in the loop: a caller's other layout (the learner's rows) is
   # then reached after the loop, not carried into it (which would gather the state every token).
   state, lengths, decode_step = jax.tree.map(rows, (state, lengths, decode_step))
+  if record:
+    routes = rows(jnp.concatenate([fan(prompt_routes.astype(routes.dtype)), routes], axis=1))
   return SampleOutput(
       tokens=state.tokens, mask=state.mask, lengths=lengths, truncated=(lengths == t_new) & ~state.stopped,
       logprobs=state.logprobs, entropy=state.entropy, prompt_ids=rows(fan(prompt_ids)),
-      prompt_mask=rows(fan(prompt_mask)), decode_step=decode_step, num_samples=g)
+      prompt_mask=rows(fan(prompt_mask)), decode_step=decode_step, routes=routes, num_samples=g)
+
+
+def records_routes(config: ModelConfig) -> bool:
+  """Whether the sampler records each token's experts (a mixture of experts with routing replay on)."""
+  return config.moe is not None and config.moe.routing_replay
+
+
+def empty_routes(config: ModelConfig, rows: int, width: int) -> jax.Array:
+  """[rows, width, L_moe, k] expert ids, all E ("not recorded": the learner routes those tokens itself)."""
+  m = config.moe
+  shape = (rows, width, sum(config.moe_layers), m.experts_per_token)
+  return jnp.full(shape, m.num_experts, expert_id_dtype(m.num_experts))
 
 
 def _decode_rows(model: CachedModel, state: DecodeState, tok, prefix: PrefixCache, prompt_len, choose_column, ends,
-                 b: int, constrain):
+                 b: int, constrain, routes=None):
   """3. Decode every row at once: one token per iteration for all B rows, until every row is done.
   The completion cache (one per row) grows in stages, so a step attends over the slots written so
   far (rounded up to its stage), not all T. Token t is written at slot t - 1: the cache's index
-  follows t. Returns the state and the rows' lengths [B]."""
+  follows t. routes: None, or [B, T, L_moe, k], where the step feeding token t - 1 writes its
+  experts. Returns the state, the rows' lengths [B] and the routes."""
   rows_cache = DecodeCache.init(model.config, b, ends[0]).constrain(constrain)
 
   def cond(carry):
-    t, _, _, state = carry
+    t, _, _, state, _ = carry
     return (t < end) & ~jnp.all(state.done)
 
   def body(carry):
-    t, tok, cache, state = carry
-    logits, cache = model.step(tok, prompt_len + t - 1, ~state.done, cache, prefix)
+    t, tok, cache, state, routes = carry
+    logits, cache, step_routes = model.step(tok, prompt_len + t - 1, ~state.done, cache, prefix)
+    if routes is not None:
+      routes = jax.lax.dynamic_update_slice_in_dim(routes, step_routes[:, None].astype(routes.dtype), t - 1, axis=1)
+      routes = constrain(routes, ("batch",) + (None,) * (routes.ndim - 1))
     state, tok = choose_column(state, logits, t)
-    return (t + 1, tok, cache.constrain(constrain), state)
+    return (t + 1, tok, cache.constrain(constrain), state, routes)
 
-  carry = (jnp.int32(1), tok, rows_cache, state)
+  carry = (jnp.int32(1), tok, rows_cache, state, routes)
   for k, end in enumerate(ends):
     if k:   # grow the cache to this stage's slots (a copy per stage, not per step)
-      t, tok, cache, state = carry
-      carry = (t, tok, cache.grow(end - ends[k - 1]).constrain(constrain), state)
+      t, tok, cache, state, routes = carry
+      carry = (t, tok, cache.grow(end - ends[k - 1]).constrain(constrain), state, routes)
     carry = jax.lax.while_loop(cond, body, carry)
-  state = carry[-1]
-  return state, jnp.sum(state.mask, axis=-1, dtype=jnp.int32)
+  state, routes = carry[-2], carry[-1]
+  return state, jnp.sum(state.mask, axis=-1, dtype=jnp.int32), routes
 
 
 def stage_ends(t_new: int) -> tuple[int, ...]:

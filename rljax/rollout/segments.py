@@ -193,7 +193,7 @@ def segment(config: ModelConfig, sp: SamplingParams, seg: SegmentParams, stop_id
     step, s = carry
     live = decoding(s)
     pending = jnp.take_along_axis(s.tokens, jnp.maximum(s.n - 1, 0)[:, None], axis=1)[:, 0]
-    logits, cache = model.step(pending, s.pos, live, s.cache, s.prefix)
+    logits, cache, _ = model.step(pending, s.pos, live, s.cache, s.prefix)
     s = s.replace(cache=cache, pos=s.pos + live)
     return step + 1, choose_next(config, sp, seg, stop_ids, s, logits, live, rng, draw)
 
@@ -225,7 +225,7 @@ def feed(config: ModelConfig, sp: SamplingParams, seg: SegmentParams, stop_ids, 
   n = n + jnp.maximum(lengths - 1, 0)
   mask = jnp.arange(w)[None, :] < lengths[:, None]
   positions = state.pos[:, None] + jnp.arange(w)[None, :]
-  hidden, cache = model.forward(tokens, positions, mask, state.cache, state.prefix)
+  hidden, cache, _ = model.forward(tokens, positions, mask, state.cache, state.prefix)
   last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
   logits = model.logits(last)
   full = feeding & (n >= t_max)

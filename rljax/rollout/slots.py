@@ -79,7 +79,8 @@ class Slots:
 
 def decode(model: CachedModel, state: DecodeState, prefix: PrefixCache, prompt_len: jax.Array, rng: jax.Array,
            sp: SamplingParams, stop_ids: tuple[int, ...], pad_id: int, slots: int, blocks: int, ends: tuple[int, ...],
-           constrain=lambda x, logical: x, vocab=None) -> tuple[DecodeState, jax.Array]:
+           constrain=lambda x, logical: x, vocab=None, routes=None
+           ) -> tuple[DecodeState, jax.Array, jax.Array | None]:
   """Decodes every row of `state` through `slots` decode slots (module doc).
 
   state: [B, T] after the first token of every row was chosen (column 0, from the prefill's
@@ -87,8 +88,10 @@ def decode(model: CachedModel, state: DecodeState, prefix: PrefixCache, prompt_l
   cache [P, ...]; prompt_len: [B] int32, each row's prompt length. ends: the cache stages
   (`rljax.rollout.sampler.stage_ends`). constrain: sharding constraints, as in `sample`. vocab: the
   logits' split over the vocabulary (`rljax.rollout.draw.vocab_shards`), drawn where they lie.
-  Returns the state with every row decoded and decode_step [B] int32: the decode step (1-based)
-  that chose the row's last token (0 for rows done at their first token).
+  routes: None, or [B, T, L_moe, k] expert ids (mixture of experts, routing replay): the step
+  that feeds a row's token t - 1 writes its experts there.
+  Returns the state with every row decoded, decode_step [B] int32: the decode step (1-based)
+  that chose the row's last token (0 for rows done at their first token), and the routes.
   """
   b, t_new = state.tokens.shape
   p = prefix.mask.shape[0]
@@ -108,13 +111,15 @@ def decode(model: CachedModel, state: DecodeState, prefix: PrefixCache, prompt_l
   slot = Slots(row=row, t=jnp.ones_like(row), tok=take(first, row), live=live, next=jnp.minimum(sl, pending))
   plen = blk(prompt_len)
 
-  def put(buf, values, s: Slots, where):
-    """buf [B] or [B, T] with values [S] written at each slot's row (and column) where `where` [D, Sl]."""
+  def put(buf, values, s: Slots, where, column=None):
+    """buf [B] or [B, T, ...] with values [S, ...] written at each slot's row (and column, default
+    its next token's) where `where` [D, Sl]."""
     r = jnp.where(where, s.row, bl)   # out of range: dropped
     if buf.ndim == 1:
       out = jax.vmap(lambda x, i, v: x.at[i].set(v, mode="drop"))(blk(buf), r, blk(values))
     else:
-      out = jax.vmap(lambda x, i, c, v: x.at[i, c].set(v, mode="drop"))(blk(buf), r, s.t, blk(values))
+      col = s.t if column is None else column
+      out = jax.vmap(lambda x, i, c, v: x.at[i, c].set(v, mode="drop"))(blk(buf), r, col, blk(values))
     return flat(out)
 
   def cond(carry):
@@ -122,10 +127,12 @@ def decode(model: CachedModel, state: DecodeState, prefix: PrefixCache, prompt_l
     return (furthest > 0) & (furthest < end)
 
   def body(carry):
-    k, s, cache, state, finish = carry
+    k, s, cache, state, finish, routes = carry
     live = flat(s.live)
     pointed = prefix.point(flat(s.row // g), blocks)
-    logits, cache = model.step(flat(s.tok), flat(take(plen, s.row) + s.t - 1), live, cache, pointed)
+    logits, cache, step_routes = model.step(flat(s.tok), flat(take(plen, s.row) + s.t - 1), live, cache, pointed)
+    if routes is not None:   # the experts of the token just fed, column t - 1
+      routes = put(routes, step_routes.astype(routes.dtype), s, s.live, s.t - 1)
     keys = jax.vmap(lambda t: jax.random.fold_in(rng, t))(flat(s.t))
     logits = constrain(logits, ("batch", None if vocab is None else "vocab"))
     tok, lp, ent = sample_logits(logits, sp, keys, rows=flat(s.row + offset), vocab=vocab)
@@ -147,14 +154,14 @@ def decode(model: CachedModel, state: DecodeState, prefix: PrefixCache, prompt_l
               next=jnp.minimum(s.next + jnp.sum(freed, axis=1, dtype=jnp.int32), pending))
     reset = flat(ok)
     cache = DecodeCache(cache.layers, cache.mask & ~reset[:, None], flat(t) - 1).constrain(constrain)
-    return k + 1, s, cache, state, finish
+    return k + 1, s, cache, state, finish, routes
 
   cache = DecodeCache.init(model.config, slots, ends[0])
   cache = cache.replace(index=jnp.zeros((slots,), jnp.int32)).constrain(constrain)
-  carry = (jnp.int32(1), slot, cache, state, jnp.zeros((b,), jnp.int32))
+  carry = (jnp.int32(1), slot, cache, state, jnp.zeros((b,), jnp.int32), routes)
   for i, end in enumerate(ends):
     if i:   # grow the completion caches to this stage's slots (a copy per stage, not per step)
-      k, s, cache, state, finish = carry
-      carry = (k, s, cache.grow(end - ends[i - 1]).constrain(constrain), state, finish)
+      k, s, cache, state, finish, routes = carry
+      carry = (k, s, cache.grow(end - ends[i - 1]).constrain(constrain), state, finish, routes)
     carry = jax.lax.while_loop(cond, body, carry)
-  return carry[3], carry[4]
+  return carry[3], carry[4], carry[5]

@@ -45,6 +45,10 @@ class Rollout:
   decode_step: [N] int32, the single-turn sampler's decode step that chose the row's last token
     (0: the first token, drawn from the prefill), or None from other producers; its max is the
     steps the decode loop ran (`sampler_metrics`).
+  routes: [N, Lp + T, L_moe, k] the experts each token of [prompt | completion] was routed to in
+    each routed layer when the sampler ran (mixture-of-experts models with routing replay on:
+    the learner computes with them; ids >= E were not recorded and the learner routes those
+    tokens itself), or None (dense models, replay off, producers that do not record).
   group_size: G (static).
   """
   prompt_ids: jax.Array
@@ -59,6 +63,7 @@ class Rollout:
   rewards: Any = None
   components: Any = None
   decode_step: Any = None
+  routes: Any = None
   group_size: int = flax.struct.field(pytree_node=False, default=1)
 
   @property
@@ -75,11 +80,11 @@ class Rollout:
 
   @classmethod
   def single_turn(cls, *, prompt_ids, prompt_mask, tokens, mask, logprobs, entropy, lengths, truncated,
-                  group_size: int, decode_step=None) -> "Rollout":
+                  group_size: int, decode_step=None, routes=None) -> "Rollout":
     """A rollout whose every completion token is the model's (context_mask = mask)."""
     return cls(prompt_ids=prompt_ids, prompt_mask=prompt_mask, tokens=tokens, mask=mask, context_mask=mask,
                logprobs=logprobs, entropy=entropy, lengths=lengths, truncated=truncated, decode_step=decode_step,
-               group_size=group_size)
+               routes=routes, group_size=group_size)
 
 
 @dataclasses.dataclass

@@ -81,6 +81,26 @@ def block_inputs(layout: PackLayout, k, bins_per_block: int):
   return take(layout.tokens), take(layout.segment_ids), take(layout.positions)
 
 
+def pack_values(layout: PackLayout, prompt_mask, context_mask, values: jax.Array, fill) -> jax.Array:
+  """Per-token values of the rows' [prompt | completion] ([N, W, ...], e.g. the experts to replay)
+  laid out like `layout.tokens`: [N, W, ...], `fill` on unused slots."""
+  n, width = values.shape[:2]
+  plen = prompt_mask.sum(-1).astype(jnp.int32)
+  seq_len = plen + context_mask.sum(-1).astype(jnp.int32)
+  t = context_mask.shape[1]
+  real = jnp.concatenate([prompt_mask, jnp.arange(t)[None, :] < (seq_len - plen)[:, None]], axis=1)
+  index_in_seq = jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1
+  target = jnp.where(real, layout.start[:, None] + index_in_seq, n * width).reshape(-1)
+  rest = values.shape[2:]
+  out = jnp.full((n * width,) + rest, fill, values.dtype)
+  return out.at[target].set(values.reshape((-1,) + rest), mode="drop").reshape((n, width) + rest)
+
+
+def block_values(packed: jax.Array, k, bins_per_block: int) -> jax.Array:
+  """Block k's rows of packed values ([N, W, ...] -> [R, W, ...]), as `block_inputs`."""
+  return jax.lax.dynamic_slice_in_dim(packed, k * bins_per_block, bins_per_block, axis=0)
+
+
 def gather_completion(packed: jax.Array, layout: PackLayout, k, bins_per_block: int, t: int) -> jax.Array:
   """Block k's per-position values back in row layout.
 

@@ -72,9 +72,31 @@ def param_dtype(model_cfg) -> str:
 
 def run_model_config(mc: ModelConfig, model_cfg) -> ModelConfig:
   """The model's own config with the run's settings from config.model: the compute dtype, remat,
-  the attention backend, the LoRA adapters and the parameters' storage dtype (`param_dtype`)."""
+  the attention backend, the LoRA adapters, the parameters' storage dtype (`param_dtype`) and, for
+  a mixture of experts, config.model.moe (`moe_config`)."""
   return mc.replace(dtype=model_cfg.dtype, remat=model_cfg.remat, attention=model_cfg.attention,
-                    lora=_lora_config(model_cfg), param_dtype=param_dtype(model_cfg))
+                    lora=_lora_config(model_cfg), param_dtype=param_dtype(model_cfg), moe=moe_config(mc, model_cfg))
+
+
+_MOE_DEFAULTS = dict(routing_replay="auto", aux_loss_coef=None, z_loss_coef=0.0, kernel="auto", dispatch="auto")
+
+
+def moe_config(mc: ModelConfig, model_cfg):
+  """The model's MoeConfig with config.model.moe's settings (routing replay "auto": on unless the
+  compute dtype is float32); None for a dense model, which must leave config.model.moe at its defaults."""
+  m = model_cfg.get("moe")
+  if m is None:
+    return mc.moe
+  if mc.moe is None:
+    bad = [f"model.moe.{k}={m[k]!r}" for k, v in _MOE_DEFAULTS.items() if k in m and m[k] != v]
+    if bad:
+      raise ConfigError(f"config.{', config.'.join(bad)}: the model ({mc.architecture}) is dense, not a mixture of "
+                        "experts; drop the model.moe settings.")
+    return None
+  replay = m.routing_replay if m.routing_replay != "auto" else model_cfg.dtype != "float32"
+  aux = mc.moe.aux_loss_coef if m.aux_loss_coef is None else float(m.aux_loss_coef)
+  return mc.moe.replace(routing_replay=bool(replay), aux_loss_coef=aux, z_loss_coef=float(m.z_loss_coef),
+                        kernel=m.kernel, dispatch=m.dispatch)
 
 
 def load_policy(model_cfg, tokenizer_path: str = "", mesh=None) -> Policy:
@@ -270,7 +292,7 @@ def build(config: ml_collections.ConfigDict, model: ModelConfig, tokenizer: Toke
                   mini_batches=t.mini_batches, epochs=t.epochs, micro_batches=t.micro_batches,
                   eos_ids=sp.stop_token_ids, oversample=config_lib.dynamic_oversample(config),
                   recompute_old_logprobs=recompute,
-                  gap_rows=0 if recompute or t.objective != "rl" else sp.num_samples,
+                  gap_rows=0 if t.objective != "rl" else _gap_rows(config, recompute, sp.num_samples),
                   pack_tokens=t.pack_tokens, objective=t.objective, min_reward=float(config.rft.min_reward),
                   teacher=teacher if t.objective == "distill" else None,
                   reward_weight=float(config.distill.reward_weight))
@@ -278,6 +300,15 @@ def build(config: ml_collections.ConfigDict, model: ModelConfig, tokenizer: Toke
   optimizer, schedule = make_optimizer(config.optim, total_updates)
   return Setup(config=config, model=model, spec=spec, optimizer=optimizer, schedule=schedule,
                total_updates=total_updates)
+
+
+def _gap_rows(config, recompute: bool, group: int) -> int:
+  """Rows (one group) whose learner log-probs are compared with the sampler's (`sampler/logprob_gap_*`):
+  a forward of its own when lp_old is the sampler's; free when an on-policy run recomputes lp_old
+  (bf16), which is then the learner's forward on the sampler's parameters; none off-policy."""
+  if not recompute:
+    return group
+  return group if config_lib.max_staleness(config) == 0 else 0
 
 
 def with_model(setup: Setup, model: ModelConfig) -> Setup:

@@ -87,7 +87,8 @@ class TrainBatch:
 
   prompt_ids, prompt_mask: [N, Lp]; tokens, mask, context_mask: [N, T]; lp_old, lp_samp: [N, T]
   f32; truncated: [N] bool; adv: [N] f32, or [N, T] per-token (distill); lp_ref: [N, T] f32 or None (no
-  reference model). Under sft / rft `mask` holds the target tokens trained on (rft: of the kept rows only).
+  reference model); routes: the sampler's experts [N, Lp + T, L_moe, k] to replay (`Rollout.routes`),
+  or None. Under sft / rft `mask` holds the target tokens trained on (rft: of the kept rows only).
   """
   prompt_ids: jax.Array
   prompt_mask: jax.Array
@@ -99,32 +100,35 @@ class TrainBatch:
   truncated: jax.Array
   adv: jax.Array
   lp_ref: Any = None
+  routes: Any = None
 
 
-def sequence_forward(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None):
-  """`sequence_logprobs` and the model's auxiliary losses of the same forward: (lp, ent, aux_losses),
-  aux_losses the `ModelOutput.aux_losses` dict (empty for dense models)."""
+def sequence_forward(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None, routes=None):
+  """`sequence_logprobs` and the forward's `ModelOutput` (its auxiliary losses and router
+  statistics, empty for dense models): (lp, ent, out). routes: [B, Lp + T, L_moe, k] experts to
+  replay (routing replay: the sampler's, `Rollout.routes`), or None."""
   lp_len = prompt_ids.shape[1]
   seq = jnp.concatenate([prompt_ids, tokens], axis=1)
   seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
   out = apply_model(spec.model, params, seq, positions_from_mask(seq_mask), seq_mask, return_hidden=True,
-                    dropout_rng=dropout_rng)
+                    dropout_rng=dropout_rng, routes=routes)
   hidden = jax.lax.dynamic_slice_in_dim(out.hidden, lp_len - 1, tokens.shape[1], axis=1)
   lp, ent = chunked_logprobs(hidden, output_kernel(spec.model, params), tokens,
                              temperature=spec.temperature, chunk_size=spec.logprob_chunk,
                              softcap=spec.model.final_logit_softcap)
-  return lp, ent, out.aux_losses
+  return lp, ent, out
 
 
-def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None):
+def sequence_logprobs(spec: StepSpec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng=None, routes=None):
   """Teacher-forced log-probs and entropies of the completion tokens.
 
   prompt_ids/prompt_mask: [B, Lp] (left-padded); tokens/mask: [B, T], mask the completion
   tokens the model sees (a rollout's `context_mask`). Returns (lp, ent): [B, T] float32 each,
   under logits / temperature, without materialising [B, T, V] (chunked over the vocabulary).
-  dropout_rng: the LoRA dropout key of a training forward (None: no dropout).
+  dropout_rng: the LoRA dropout key of a training forward (None: no dropout). routes: experts to
+  replay (`sequence_forward`).
   """
-  lp, ent, _ = sequence_forward(spec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng)
+  lp, ent, _ = sequence_forward(spec, params, prompt_ids, prompt_mask, tokens, mask, dropout_rng, routes)
   return lp, ent
 
 
@@ -138,6 +142,29 @@ def add_aux_losses(loss, metrics: Metrics, aux_losses: dict, share):
   metrics = metrics.with_values(**{f"aux_{name}": jax.lax.stop_gradient(share * value)
                                    for name, value in aux_losses.items()})
   return loss + share * sum(aux_losses.values()), metrics
+
+
+def add_router_metrics(metrics: Metrics, router: dict, share) -> Metrics:
+  """A mixture of experts' routing figures of one forward, from `ModelOutput.router` (load [L_moe, E],
+  entropy and tokens [L_moe]); dense models: metrics unchanged.
+
+  moe/expert_load_max, moe/expert_load_min: token copies of the busiest / idlest expert over the
+    mean per expert (1 = balanced), the extreme over the MoE layers and the step's forwards.
+  moe/router_entropy: the router's entropy per real token, averaged over the MoE layers
+    (share-weighted "sum", so an update's parts add up to its token-weighted mean; ln E = uniform).
+  """
+  if "load" not in router:
+    return metrics
+  load, tokens = router["load"], router["tokens"]
+  per_expert = jnp.maximum(jnp.sum(load, axis=-1, keepdims=True) / load.shape[-1], 1e-9)
+  rel = jax.lax.stop_gradient(load / per_expert)
+  seen = (tokens > 0)[:, None]
+  out = metrics.with_values()
+  out.add("moe/expert_load_max", jnp.max(jnp.where(seen, rel, -jnp.inf)), "max")
+  out.add("moe/expert_load_min", jnp.min(jnp.where(seen, rel, jnp.inf)), "min")
+  entropy = jnp.sum(router["entropy"]) / jnp.maximum(jnp.sum(tokens), 1.0)
+  out.add("moe/router_entropy", jax.lax.stop_gradient(share * entropy))
+  return out
 
 
 def _real_tokens(prompt_mask, mask):
@@ -200,7 +227,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
   lora_dropout = spec.model.lora is not None and spec.model.lora.dropout > 0
 
   def logprobs(params, b, dropout_rng=None):
-    return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask, dropout_rng)
+    return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask, dropout_rng,
+                             b.routes)
 
   def objective_loss(lp, ent, b: TrainBatch, mask, den):
     """The loss of config.train.objective on these rows: cross-entropy of the target tokens (sft, rft), or
@@ -213,10 +241,11 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
   def loss_fn(trainable, frozen, mb: TrainBatch, den, key, total_tokens):
     # Under LoRA `trainable` is the adapters and the gradient is theirs alone; `frozen` is None otherwise.
     params = trainable if frozen is None else lora.join(frozen, trainable)
-    lp, ent, aux = sequence_forward(spec, params, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.context_mask,
-                                    key if lora_dropout else None)
+    lp, ent, out = sequence_forward(spec, params, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.context_mask,
+                                    key if lora_dropout else None, mb.routes)
     loss, metrics = objective_loss(lp, ent, mb, mb.mask, den)
-    return add_aux_losses(loss, metrics, aux, _real_tokens(mb.prompt_mask, mb.context_mask) / total_tokens)
+    share = _real_tokens(mb.prompt_mask, mb.context_mask) / total_tokens
+    return add_aux_losses(loss, add_router_metrics(metrics, out.router, share), out.aux_losses, share)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -246,12 +275,15 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     bins = max(1, spec.pack_tokens // width)
     layout = packing.pack(batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.context_mask, bins)
     t = batch.tokens.shape[1]
+    routes = None if batch.routes is None else packing.pack_values(
+        layout, batch.prompt_mask, batch.context_mask, batch.routes, spec.model.moe.num_experts)
 
     def block_loss(trainable, k):
       params = trainable if frozen is None else lora.join(frozen, trainable)
       tok, seg, pos = (shd.constrain(x, ("batch", "length")) for x in packing.block_inputs(layout, k, bins))
       out = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True,
-                        dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None)
+                        dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None,
+                        routes=None if routes is None else packing.block_values(routes, k, bins))
       lp, ent = chunked_logprobs(out.hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
                                  temperature=spec.temperature, chunk_size=spec.logprob_chunk,
                                  softcap=spec.model.final_logit_softcap)
@@ -259,7 +291,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
       lp, ent = (packing.gather_completion(pad(x), layout, k, bins, t) for x in (lp, ent))
       mask = batch.mask & (layout.block == k)[:, None]
       loss, metrics = objective_loss(lp, ent, batch, mask, den)
-      return add_aux_losses(loss, metrics, out.aux_losses, jnp.sum(seg > 0).astype(jnp.float32) / total_tokens)
+      share = jnp.sum(seg > 0).astype(jnp.float32) / total_tokens
+      return add_aux_losses(loss, add_router_metrics(metrics, out.router, share), out.aux_losses, share)
 
     block_grad = jax.value_and_grad(block_loss, has_aux=True)
     shapes = jax.eval_shape(block_loss, params, jnp.int32(0))[1]
@@ -304,7 +337,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     zeros = jnp.zeros(rollout.tokens.shape[:1], jnp.float32)
     return TrainBatch(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, tokens=rollout.tokens,
                       mask=mask, context_mask=rollout.context_mask, lp_old=rollout.logprobs, lp_samp=rollout.logprobs,
-                      truncated=rollout.truncated, adv=zeros), metrics
+                      truncated=rollout.truncated, adv=zeros, routes=rollout.routes), metrics
 
   def teacher_logprobs(state: TrainState, rollout: Rollout):
     """[N, T] the frozen teacher's log-probs of the sampled tokens (its own model config, same temperature)."""
@@ -321,8 +354,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     lp_ref = None
     rewards_pg = rollout.rewards.reshape(-1, g)
     reference = state.ref_params if state.frozen is None or not cfg.needs_reference else state.reference_params()
-    if reference is not None:
-      lp_ref, _ = logprobs(reference, rollout_view(rollout))
+    if reference is not None:   # the reference model routes its own tokens (no replay)
+      lp_ref, _ = logprobs(reference, rollout_view(rollout).replace(routes=None))
       lp_ref = jax.lax.stop_gradient(lp_ref)
       if cfg.kl_in_reward:
         kl = (kl_penalty(rollout.logprobs, lp_ref, rollout.mask, cfg.kl_estimator) * rollout.mask).sum(-1)
@@ -335,6 +368,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
       # sampler's log-probs (the behaviour policy) enter through the truncated IS weight (tis_cap).
       lp_old, _ = logprobs(state.model_params(), rollout_view(rollout))
       lp_old = jax.lax.stop_gradient(lp_old)
+      if spec.gap_rows:   # on-policy: lp_old is the learner's forward on the sampler's parameters
+        metrics.update(_gap_metrics(lp_old[:spec.gap_rows], rollout, spec.gap_rows))
     else:
       # The sampler ran the same model code on the same parameters: its log-probs are lp_old
       # (exact in fp32; `sampler/logprob_gap_*` measures how far that holds in this dtype).
@@ -351,7 +386,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
       adv = per_token + spec.reward_weight * adv[:, None] if spec.reward_weight else per_token
     batch = TrainBatch(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask, tokens=rollout.tokens,
                        mask=rollout.mask, context_mask=rollout.context_mask, lp_old=lp_old, lp_samp=rollout.logprobs,
-                       truncated=rollout.truncated, adv=adv, lp_ref=lp_ref)
+                       truncated=rollout.truncated, adv=adv, lp_ref=lp_ref, routes=rollout.routes)
     return batch, metrics
 
   def update(state: TrainState, rollout: Rollout):
@@ -385,7 +420,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
 
 def rollout_view(rollout: Rollout):
   """The fields `sequence_logprobs` reads, under the names TrainBatch uses."""
-  return _LogprobView(rollout.prompt_ids, rollout.prompt_mask, rollout.tokens, rollout.context_mask)
+  return _LogprobView(rollout.prompt_ids, rollout.prompt_mask, rollout.tokens, rollout.context_mask, rollout.routes)
 
 
 @flax.struct.dataclass
@@ -394,6 +429,7 @@ class _LogprobView:
   prompt_mask: jax.Array
   tokens: jax.Array
   context_mask: jax.Array
+  routes: Any = None
 
 
 def _advantage_metric_name(name: str) -> str:
@@ -415,6 +451,11 @@ def _logprob_gap(logprobs, params, rollout: Rollout, rows: int) -> dict[str, jax
   """
   view = jax.tree.map(lambda x: x[:rows], rollout_view(rollout))
   lp, _ = logprobs(params, view)
+  return _gap_metrics(lp, rollout, rows)
+
+
+def _gap_metrics(lp, rollout: Rollout, rows: int) -> dict[str, jax.Array]:
+  """`sampler/logprob_gap_*` of the learner's log-probs lp [rows, T] against the sampler's."""
   mask = rollout.mask[:rows]
   diff = jnp.abs(jax.lax.stop_gradient(lp) - rollout.logprobs[:rows])
   return {"sampler/logprob_gap_mean": _masked_mean(diff, mask),

@@ -88,11 +88,6 @@ def from_hf(hf: Mapping[str, Any], source: str = "config.json"):
   return for_model_type(hf.get("model_type"), source).from_hf(hf, source)
 
 
-def feed_forward(config):
-  """The feed-forward block class of `config`'s family (rljax/models/layers.py, `MLP` for dense families)."""
-  return get(config.architecture).feed_forward(config)
-
-
 def lora_target_names() -> tuple[str, ...]:
   """Every projection name some family can adapt (config validation before the model is known)."""
   out: list[str] = []

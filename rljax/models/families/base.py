@@ -5,11 +5,17 @@ instances in `FAMILIES`; the registry (families/__init__.py) finds it by itself.
 describes the decoder every family runs today (rljax/models/transformer.py: attention with
 optional q/k/v biases and q/k norms, a gated MLP, RMSNorms, optional Gemma switches), so a dense
 family states only how it differs: its names, its fixed switches, its HF config fields, the
-fields it refuses. A family with another block (a mixture of experts) overrides `feed_forward`,
-`tensors`, `num_params`, the FLOP counts and `lora_targets`.
+fields it refuses. A family with another block (a mixture of experts, rljax/models/families/
+qwen3_moe.py) says which layers have which kind of feed-forward block (`layer_kinds`), gives the
+block of each kind (`block`) and its tensors (`block_tensors`), and overrides `num_params`, the
+FLOP counts and `lora_targets`.
+
+Layers of one kind share a stacked parameter tree; when a model's layers are of several kinds,
+each kind has its own stack (`stack_names`) and the decoder runs them in model order.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from rljax.errors import WeightsError
@@ -54,6 +60,9 @@ class Family:
   fixed: Mapping[str, Any] = dict(attention_bias=False, qk_norm=False, norm_offset=False, sandwich_norms=False,
                                   embed_scale=False)
   lora_targets: tuple[str, ...] = LORA_TARGETS
+  lora_note: str = ""          # appended to the error naming lora_targets (why the others take none)
+  mixture_of_experts: bool = False   # its models carry a ModelConfig.moe
+  main_kind: str = "dense"     # the layer kind whose stack is called "layers"
   refused_model_types: Mapping[str, str] = {}
   default_theta: float = 10000.0
   default_context: int = 2048
@@ -80,8 +89,24 @@ class Family:
   # ---- the model ------------------------------------------------------------------------------
 
   def feed_forward(self, config: ModelConfig):
-    """The feed-forward block's module class (rljax/models/layers.py documents the protocol)."""
+    """The dense feed-forward block's module class (rljax/models/layers.py documents the protocol)."""
     return MLP
+
+  def layer_kinds(self, config: ModelConfig) -> tuple[str, ...]:
+    """The kind of each layer's feed-forward block, in model order ("dense" for every layer here)."""
+    return ("dense",) * config.num_layers
+
+  def block(self, config: ModelConfig, kind: str):
+    """(name in the layer's tree, module class) of the feed-forward block of layers of `kind`."""
+    if kind != "dense":
+      raise ValueError(f"{self.name} has no {kind!r} layers")
+    return "mlp", self.feed_forward(config)
+
+  def stack_names(self, config: ModelConfig) -> dict[str, str]:
+    """Layer kind -> the key of its stacked parameters: "layers" for a model of one kind (and for
+    `main_kind`), "<kind>_layers" for the others."""
+    kinds = sorted(set(self.layer_kinds(config)), key=lambda k: (k != self.main_kind, k))
+    return {k: "layers" if i == 0 else f"{k}_layers" for i, k in enumerate(kinds)}
 
   def random_defaults(self, num_layers: int, head_dim: int) -> dict[str, Any]:
     """ModelConfig fields of a random model of this family beyond its shape (`model.path="random"`):
@@ -139,11 +164,7 @@ class Family:
   def refuse_common(self, hf: Mapping[str, Any], source: str) -> None:
     """Refuses, by name, fields any family's dense decoder cannot compute: mixture-of-experts
     fields, quantized weights, partial rotary embeddings."""
-    moe = [f for f in MOE_FIELDS if hf.get(f) not in (None, 0, [], False)]
-    if moe:
-      raise WeightsError(f"{source}: model_type={hf.get('model_type')!r} carries mixture-of-experts fields "
-                         f"({', '.join(f'{f}={hf[f]!r}' for f in moe)}) that rljax's dense {self.name} model would "
-                         "ignore; this checkpoint is not a dense model and is not supported.")
+    self.refuse_moe_fields(hf, source)
     if hf.get("quantization_config"):
       method = (hf["quantization_config"] or {}).get("quant_method", "?")
       raise WeightsError(f"{source}: quantization_config (quant_method={method!r}) is not supported; rljax loads "
@@ -151,6 +172,14 @@ class Family:
     if float(hf.get("partial_rotary_factor") or 1.0) != 1.0:
       raise WeightsError(f"{source}: partial_rotary_factor={hf['partial_rotary_factor']!r} is not supported; rljax "
                          "rotates the whole head dimension.")
+
+  def refuse_moe_fields(self, hf: Mapping[str, Any], source: str) -> None:
+    """A dense family refuses every mixture-of-experts field (a MoE family overrides this)."""
+    moe = [f for f in MOE_FIELDS if hf.get(f) not in (None, 0, [], False)]
+    if moe:
+      raise WeightsError(f"{source}: model_type={hf.get('model_type')!r} carries mixture-of-experts fields "
+                         f"({', '.join(f'{f}={hf[f]!r}' for f in moe)}) that rljax's dense {self.name} model would "
+                         "ignore; this checkpoint is not a dense model and is not supported.")
 
   @staticmethod
   def refuse_true(hf: Mapping[str, Any], source: str, field: str, why: str) -> None:
@@ -216,13 +245,25 @@ class Family:
   def tensors(self, c: ModelConfig) -> list[layouts.Tensor]:
     """Every parameter of the rljax tree with its HF name and layout (rljax/models/layouts.py)."""
     T = layouts.Tensor
-    d, h, k, dh, f, v = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size
+    d, v = c.hidden_size, c.vocab_size
     out = [T(("embedding",), "model.embed_tokens.weight", "ident", (v, d), per_layer=False),
            T(("final_norm", "scale"), "model.norm.weight", "ident", (d,), per_layer=False)]
     if not c.tie_word_embeddings:
       out.append(T(("lm_head",), "lm_head.weight", "t", (d, v), per_layer=False))
+    kinds = self.layer_kinds(c)
+    stacks = self.stack_names(c)
+    for kind, stack in stacks.items():
+      ids = tuple(i for i, k in enumerate(kinds) if k == kind)
+      where = dict(stack=stack, layers=None if len(ids) == c.num_layers else ids)
+      out += [dataclasses.replace(t, **where) for t in self.layer_tensors(c) + self.block_tensors(c, kind)]
+    return out
+
+  def layer_tensors(self, c: ModelConfig) -> list[layouts.Tensor]:
+    """One layer's tensors besides its feed-forward block: norms and attention."""
+    T = layouts.Tensor
+    d, h, k, dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     norms = ("input_norm", "post_attn_norm") + (("attn_out_norm", "mlp_out_norm") if c.sandwich_norms else ())
-    out += [T((n, "scale"), self.norm_names[n], "ident", (d,)) for n in norms]
+    out = [T((n, "scale"), self.norm_names[n], "ident", (d,)) for n in norms]
     out += [T(("attn", "q_kernel"), "self_attn.q_proj.weight", "qkv", (d, h, dh)),
             T(("attn", "k_kernel"), "self_attn.k_proj.weight", "qkv", (d, k, dh)),
             T(("attn", "v_kernel"), "self_attn.v_proj.weight", "qkv", (d, k, dh)),
@@ -232,10 +273,15 @@ class Family:
                                                                                                   ("v", k))]
     if c.qk_norm:
       out += [T(("attn", f"{p}_norm", "scale"), f"self_attn.{p}_norm.weight", "ident", (dh,)) for p in "qk"]
-    out += [T(("mlp", "gate_kernel"), "mlp.gate_proj.weight", "t", (d, f)),
+    return out
+
+  def block_tensors(self, c: ModelConfig, kind: str) -> list[layouts.Tensor]:
+    """One layer's feed-forward tensors for layers of `kind` (the dense gated MLP here)."""
+    T = layouts.Tensor
+    d, f = c.hidden_size, c.intermediate_size
+    return [T(("mlp", "gate_kernel"), "mlp.gate_proj.weight", "t", (d, f)),
             T(("mlp", "up_kernel"), "mlp.up_proj.weight", "t", (d, f)),
             T(("mlp", "down_kernel"), "mlp.down_proj.weight", "t", (f, d))]
-    return out
 
   def ignored_hf_tensor(self, c: ModelConfig, name: str) -> bool:
     """A checkpoint tensor transformers ignores too: a tied model's stored output head, RoPE buffers."""
