@@ -42,6 +42,15 @@ def hf_model_from_config(config, seed: int = 0):
   torch.manual_seed(seed)
   config._attn_implementation = "eager"
   model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+  return randomize_weights(model)   # continues the stream seeded above
+
+
+def randomize_weights(model, seed: int | None = None):
+  """Every tensor of a transformers `model` drawn again (norm scales in [0.5, 1.5], the rest
+  N(0, 0.05^2)), from `seed` or torch's current stream; returns it in eval mode."""
+  import torch
+  if seed is not None:
+    torch.manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "norm" in name:

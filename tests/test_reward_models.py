@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from models_testlib import hf_config
+from models_testlib import hf_config, randomize_weights
 
 from rljax import sharding as shd
 from rljax.errors import ConfigError
@@ -19,18 +19,6 @@ TOKENIZER = "smollm2-135m-instruct"
 PROMPTS = ["What is 2 + 3?", "Name a colour of the sky on a clear day, in one word please."]
 COMPLETIONS = [["It is 5.", "5"], ["Blue.", "The sky is blue most days and grey on others"]]
 TEMPLATE = "Question: {prompt}\nAnswer:\n{completion}\nIs the answer correct? Reply yes or no."
-
-
-def _random_weights(model, seed):
-  import torch
-  torch.manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.uniform_(0.5, 1.5)
-      else:
-        p.normal_(0.0, 0.05)
-  return model.eval()
 
 
 def save_tiny(path, family: str, kind: str, tokenizer, seed: int = 0):
@@ -51,7 +39,7 @@ def save_tiny(path, family: str, kind: str, tokenizer, seed: int = 0):
                                                                         attn_implementation="eager")
   else:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-  model = _random_weights(model, seed)
+  model = randomize_weights(model, seed)
   model.save_pretrained(str(path))
   tokenizer.save(str(path))
   return model
