@@ -10,10 +10,13 @@ tokens), as many as the real tokens need: a `fori_loop` with a data-dependent tr
 fixed-shape blocks, so the compiled program is one block's forward + backward whatever the
 lengths.
 
-Bins are filled in row order (a row starts a new bin when it does not fit the current one), so
-a sequence is never split. Per-token inputs of the loss stay in row layout [N, T]; the packed
-log-probs are gathered back to it, and `policy_loss` sees the rows of the current block (the others
-masked out), so every aggregation mode and metric is the padded computation's.
+Bins are filled first-fit decreasing (`first_fit_decreasing`): longest sequence first, each into
+the lowest-numbered bin with room, so a sequence is never split and short ones fill the gaps long
+ones leave (next-fit in row order, the earlier rule, left every gap a row did not fit; FFD needs at
+most 11/9 of the fewest possible bins, plus one). A block's rows need not be adjacent rows.
+Per-token inputs of the loss stay in row layout [N, T]; the packed log-probs are gathered back to
+it, and `policy_loss` sees the rows of the current block (the others masked out), so every
+aggregation mode and metric is the padded computation's.
 
 Shapes: N rows, Lp prompt width, T completion width, W = Lp + T, R bins per block.
 """
@@ -42,6 +45,24 @@ class PackLayout:
   positions: jax.Array
 
 
+def first_fit_decreasing(seq_len: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+  """Places sequences of `seq_len` [N] int32 tokens (each <= width) in bins of `width`: longest
+  first (ties in row order), each into the lowest-numbered bin it fits. Bins are opened in order, so
+  the used ones are 0 .. num_bins - 1. Returns (start [N] int32: bin * width + offset of each
+  row's first token, num_bins [] int32)."""
+  n = seq_len.shape[0]
+  order = jnp.argsort(-seq_len, stable=True)
+
+  def place(used, row):
+    length = seq_len[row]
+    b = jnp.argmax(used + length <= width)   # the first bin with room; an empty one always exists
+    return used.at[b].add(length), b * width + used[b]
+
+  used, start_sorted = jax.lax.scan(place, jnp.zeros((n,), jnp.int32), order)
+  start = jnp.zeros((n,), jnp.int32).at[order].set(start_sorted)
+  return start, jnp.sum(used > 0).astype(jnp.int32)
+
+
 def pack(prompt_ids, prompt_mask, tokens, context_mask, bins_per_block: int) -> PackLayout:
   """Packs rows into bins of W = Lp + T tokens.
 
@@ -54,14 +75,7 @@ def pack(prompt_ids, prompt_mask, tokens, context_mask, bins_per_block: int) -> 
   plen = prompt_mask.sum(-1).astype(jnp.int32)
   seq_len = plen + context_mask.sum(-1).astype(jnp.int32)
 
-  def place(carry, length):
-    bin_, offset = carry
-    fresh = offset + length > width
-    bin_ = jnp.where(fresh, bin_ + 1, bin_)
-    offset = jnp.where(fresh, 0, offset)
-    return (bin_, offset + length), bin_ * width + offset
-
-  (last_bin, _), start = jax.lax.scan(place, (jnp.int32(0), jnp.int32(0)), seq_len)
+  start, num_bins = first_fit_decreasing(seq_len, width)
   block = (start // width) // bins_per_block
 
   seq = jnp.concatenate([prompt_ids, tokens], axis=1)
@@ -71,7 +85,8 @@ def pack(prompt_ids, prompt_mask, tokens, context_mask, bins_per_block: int) -> 
   scatter = lambda values: jnp.zeros((n * width,), jnp.int32).at[target.reshape(-1)].set(
       values.reshape(-1).astype(jnp.int32), mode="drop").reshape(n, width)
   rows = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[:, None], seq.shape)
-  return PackLayout(start=start, prompt_len=plen, block=block, num_blocks=last_bin // bins_per_block + 1,
+  num_blocks = jnp.maximum(num_bins - 1, 0) // bins_per_block + 1
+  return PackLayout(start=start, prompt_len=plen, block=block, num_blocks=num_blocks,
                     tokens=scatter(seq), segment_ids=scatter(rows), positions=scatter(index_in_seq))
 
 
