@@ -47,13 +47,13 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
-def make_mesh(shape: Sequence[int] | None = None, devices=None) -> Mesh:
+def make_mesh(shape: Sequence[int] | None = None, devices=None, *, name: str = "mesh.shape") -> Mesh:
   """A (data, fsdp, tensor) mesh over every device given (default: all of `jax.devices()`).
 
   `shape=None` puts every device on `data`; -1 fills one axis. The shape's product must equal the
-  number of devices: a mesh that would leave devices idle is a ConfigError naming mesh.shape
-  (an explicit `devices` list, as the async mode's learner/generator split passes, is the way to
-  use a subset).
+  number of devices: a mesh that would leave devices idle is a ConfigError naming `name` (the
+  config field the shape came from; an explicit `devices` list, as the async mode's
+  learner/generator split passes, is the way to use a subset).
   """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
@@ -61,20 +61,20 @@ def make_mesh(shape: Sequence[int] | None = None, devices=None) -> Mesh:
     shape = (n, 1, 1)
   shape = list(shape)
   if len(shape) != 3:
-    raise ConfigError(f"mesh.shape={tuple(shape)} must have 3 entries (data, fsdp, tensor).")
+    raise ConfigError(f"{name}={tuple(shape)} must have 3 entries (data, fsdp, tensor).")
   if shape.count(-1) > 1:
-    raise ConfigError(f"mesh.shape={tuple(shape)} may contain at most one -1.")
+    raise ConfigError(f"{name}={tuple(shape)} may contain at most one -1.")
   if any(s == 0 or s < -1 for s in shape):
-    raise ConfigError(f"mesh.shape={tuple(shape)}: every entry must be a positive size or -1.")
+    raise ConfigError(f"{name}={tuple(shape)}: every entry must be a positive size or -1.")
   if -1 in shape:
     known = math.prod(s for s in shape if s != -1)
     if n % known:
-      raise ConfigError(f"mesh.shape={tuple(shape)}: {n} devices are not divisible by {known}; "
-                        f"set mesh.shape so its product is {n}.")
+      raise ConfigError(f"{name}={tuple(shape)}: {n} devices are not divisible by {known}; "
+                        f"set {name} so its product is {n}.")
     shape[shape.index(-1)] = n // known
   if math.prod(shape) != n:
-    raise ConfigError(f"mesh.shape={tuple(shape)} uses {math.prod(shape)} devices but {n} are available; set "
-                      f"mesh.shape so its product is {n} (or use -1 for one axis, e.g. (-1, 1, 1)). To run on "
+    raise ConfigError(f"{name}={tuple(shape)} uses {math.prod(shape)} devices but {n} are available; set "
+                      f"{name} so its product is {n} (or use -1 for one axis, e.g. (-1, 1, 1)). To run on "
                       "fewer devices, expose fewer (CUDA_VISIBLE_DEVICES, TPU_VISIBLE_CHIPS, or "
                       "XLA_FLAGS=--xla_force_host_platform_device_count on CPU).")
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)

@@ -159,9 +159,11 @@ def test_plan_decides_the_decode_layout_at_full_depth_and_warns_on_gathered_weig
   assert "larger slice" in dec["warning"] and status == 3
 
 
-def test_async_generators_hold_the_compute_dtype_decode_copy(tmp_path):
+@pytest.mark.parametrize("generator_mesh", [(-1, 1, 1), (2, 1, 2)], ids=["data", "tensor"])
+def test_async_generators_hold_the_compute_dtype_decode_copy(tmp_path, generator_mesh):
   """rollout.mode='async': the parameters published to the 4 generator devices are the sampler's
-  copy (bf16 matrices, the decode layout on the generator mesh), not a float32 replicated copy."""
+  copy (bf16 matrices, the decode layout on the generator mesh `rollout.generator_mesh`), not a
+  float32 replicated copy; with a tensor axis of 2 each chip holds about half of that copy."""
   import math
   import os
 
@@ -169,20 +171,38 @@ def test_async_generators_hold_the_compute_dtype_decode_copy(tmp_path):
   from rljax.trainer.loop import Trainer
   cfg = load_config_file(os.path.join(os.path.dirname(__file__), "..", "rljax", "configs", "smoke.py"))
   apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "checkpoint.resume=False", "train.steps=1",
-                        "rollout.mode='async'", "model.dtype='bfloat16'"])
+                        "rollout.mode='async'", "model.dtype='bfloat16'", f"rollout.generator_mesh={generator_mesh}"])
   trainer = Trainer(cfg)
   try:
     published, _ = trainer.runner.published
     learner = trainer.state.params
-    gen_devices = set(trainer.generator_mesh.devices.flat)
-    before = after = 0
+    mesh = trainer.generator_mesh
+    assert dict(mesh.shape) == {"data": 4 // generator_mesh[2], "fsdp": 1, "tensor": generator_mesh[2]}
+    gen_devices = set(mesh.devices.flat)
+    before = after = replicated = 0
     for p, q in zip(jax.tree.leaves(published), jax.tree.leaves(learner)):
       assert set(p.sharding.device_set) == gen_devices
       assert p.dtype == (jnp.bfloat16 if p.ndim >= 2 else q.dtype) and q.dtype == jnp.float32
       before += math.prod(q.shape) * 4                      # the old copy: float32, replicated
+      replicated += math.prod(p.shape) * p.dtype.itemsize
       after += math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
     layout = trainer.runner.gen_layout
-    assert layout.kind(trainer.generator_mesh) == "replicated"   # CPU devices report no memory: no budget
-    assert after == layout.bytes_per_chip and before / 2 <= after < 0.55 * before
+    assert after == layout.bytes_per_chip and before / 2 <= replicated < 0.55 * before
+    if generator_mesh[2] == 1:
+      assert layout.kind(mesh) == "replicated" and after == replicated   # CPU devices report no memory: no budget
+    else:
+      assert layout.kind(mesh) == "tensor-parallel" and 0.45 * replicated < after < 0.6 * replicated
   finally:
     trainer.close()
+
+
+def test_generator_mesh_that_does_not_fit_the_generator_devices_names_the_field(tmp_path):
+  from rljax.config_overrides import apply_overrides
+  from rljax.configs import smoke
+  from rljax.errors import ConfigError
+  from rljax.trainer.loop import Trainer
+  cfg = smoke.get_config()
+  apply_overrides(cfg, [f"output.dir={str(tmp_path / 'run')!r}", "rollout.mode='async'",
+                        "rollout.generator_mesh=(1, 1, 3)"])
+  with pytest.raises(ConfigError, match=r"config.rollout.generator_mesh=\(1, 1, 3\) uses 3 devices but 4"):
+    Trainer(cfg)

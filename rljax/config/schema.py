@@ -237,6 +237,10 @@ SCHEMA = Section(
         max_staleness=Field(-1, "policy versions a sample may lag; -1 = the mode's default (1)"),
         proximal=Field("recompute", "off-policy lp_old: recompute (decoupled PPO) | sampler (PPO on behaviour)"),
         generator_devices=Field(0, "async: devices of the generator part of the mesh (0 = half)"),
+        generator_mesh=Field((-1, 1, 1), "async: the generators' (data, fsdp, tensor) axis sizes over "
+                                         "generator_devices; -1 takes the rest. Their decode layout is chosen "
+                                         "on it (tensor > 1 splits the weights; a model too large to replicate "
+                                         "folds data into tensor by itself)"),
         sync_every=Field(1, "async: publish parameters to the generators every N updates"),
         queue_size=Field(2, "async: scored batches waiting for the learner"),
         oversample=Field(2, "partial: prompt groups in generation per group trained"),
@@ -320,7 +324,7 @@ def to_json(c: ml_collections.ConfigDict) -> str:
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   """{"train.steps": 10, ...}: a nested mapping's leaves by dotted name; lists (data.sources,
-  mesh.shape) and empty mappings (tools.kwargs) stay whole values."""
+  mesh.shape, rollout.generator_mesh) and empty mappings (tools.kwargs) stay whole values."""
   if isinstance(tree, Mapping) and (tree or not prefix):
     out = {}
     for k, v in tree.items():

@@ -297,6 +297,10 @@ def _validate_rollout(c: ml_collections.ConfigDict) -> None:
     _positive(c, "rollout.sync_every", r.sync_every)
     _positive(c, "rollout.queue_size", r.queue_size)
     _positive(c, "rollout.generator_devices", r.generator_devices, allow_zero=True)
+    shape = tuple(r.generator_mesh)
+    if len(shape) != 3 or shape.count(-1) > 1 or any(not isinstance(s, int) or s == 0 or s < -1 for s in shape):
+      raise ConfigError(f"config.rollout.generator_mesh={shape} must be 3 positive sizes (data, fsdp, tensor), "
+                        "one of which may be -1 (the rest of the generator devices), e.g. (-1, 1, 2).")
     if r.sync_every > max_staleness(c) + 1:
       raise ConfigError(
           f"config.rollout.sync_every={r.sync_every} with max_staleness={max_staleness(c)} would stall: a "
