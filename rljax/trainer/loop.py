@@ -9,7 +9,6 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
 from rljax import compile_stats, config as config_lib, sharding as shd
 from rljax.config.validation import check_batch_mesh
@@ -21,10 +20,10 @@ from rljax.objectives.sft_data import SftBatcher
 from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
 from rljax.rewards.routing import source_verifiers_from_data
 from rljax.rollout.tools import ToolRollout, TurnParams
-from rljax.rollout.types import Prompts
 from rljax.tools import ToolRunner
 from rljax.trainer import rundir, setup as setup_lib
 from rljax.trainer.checkpoint import Checkpointer
+from rljax.trainer.feed import DataExhausted, PromptFeed, TrainingStopped
 from rljax.trainer.hooks import StepInfo, default_hooks
 from rljax.trainer.metrics import MetricsWriter, to_floats
 from rljax.trainer.rollouts import RunContext, Scorer, make_runner, split_devices
@@ -37,14 +36,6 @@ log = logging.getLogger("rljax")
 EXTRAS_BASE_FINGERPRINT = "lora_base_fingerprint"   # checkpoint extras of a LoRA run: its base's checksum
 
 
-class TrainingStopped(RljaxError):
-  """The run stopped on purpose (e.g. too many non-finite updates); the last good checkpoint is kept."""
-
-
-class DataExhausted(TrainingStopped):
-  """The training data ran out before train.steps; a checkpoint of the last step is saved first."""
-
-
 class Interrupted(TrainingStopped):
   """A stop signal (config.train.stop_signals) stopped the run; a checkpoint of its last step is saved.
 
@@ -53,45 +44,6 @@ class Interrupted(TrainingStopped):
   def __init__(self, message: str, *, signum: int | None = None, step: int = 0):
     super().__init__(message)
     self.signum, self.step = signum, step
-
-
-class PromptFeed:
-  """The loop's data position: hands out prompt batches and remembers where each one ended.
-
-  `next(sharding)` gives a `Prompts` with device arrays [P*O, Lp] on `sharding`; `next_host()`
-  gives the host `PromptBatch` (for producers that pad prompts themselves). Either also returns
-  the batcher state just after the batch, which is what a checkpoint of the step trained on it
-  saves, so a resume draws the next batch.
-  """
-
-  def __init__(self, batcher, pad_id: int = 0):
-    self.batcher = batcher
-    self.pad_id = pad_id
-    self._batches = iter(batcher)
-
-  def restore(self, data_state: dict) -> None:
-    self.batcher.restore(data_state)
-    self._batches = iter(self.batcher)
-
-  def next_host(self):
-    try:
-      batch = next(self._batches)
-    except StopIteration:
-      raise DataExhausted("the dataset ran out (config.data.num_epochs reached); "
-                          "raise num_epochs or set it to None to cycle forever.") from None
-    return batch, self.batcher.state()
-
-  def next(self, sharding) -> Prompts:
-    batch, data_state = self.next_host()
-    ids, mask = np.asarray(batch.prompt_ids, np.int32), np.asarray(batch.prompt_mask, bool)
-    if jax.process_count() > 1:
-      # Each process pads its own prompts; the global array needs one width: the widest bucket.
-      width = max(shd.allgather_objects(ids.shape[1]))
-      left = ((0, 0), (width - ids.shape[1], 0))
-      ids, mask = np.pad(ids, left, constant_values=self.pad_id), np.pad(mask, left)
-    ids = jax.make_array_from_process_local_data(sharding, ids)
-    mask = jax.make_array_from_process_local_data(sharding, mask)
-    return Prompts(list(batch.examples), ids, mask, data_state)
 
 
 # Namespaces of the metrics the host adds to the update's device metrics; a name in both is a bug.
@@ -116,7 +68,8 @@ class Trainer:
     learner_devices, generator_devices = split_devices(config)
     self.mesh = shd.make_mesh(tuple(config.mesh.shape), devices=learner_devices)
     check_batch_mesh(config, self.mesh, jax.process_count())
-    self.generator_mesh = shd.make_mesh((-1, 1, 1), devices=generator_devices) if generator_devices else None
+    self.generator_mesh = (shd.make_mesh(tuple(config.rollout.generator_mesh), devices=generator_devices,
+                                         name="config.rollout.generator_mesh") if generator_devices else None)
     policy = setup_lib.load_policy(config.model, config.tokenizer, mesh=self.mesh)
     self.tokenizer = policy.tokenizer
     # train.objective='distill': the frozen teacher, sharded on the mesh like the reference model.
