@@ -73,23 +73,26 @@ def fixed_and_broken(before: list[dict[str, Any]], after: list[dict[str, Any]]) 
   return sum(not a and b for a, b in pairs), sum(a and not b for a, b in pairs)
 
 
-def reward_table(rewards: Sequence[tuple[int, float]], per_row: int = PER_ROW) -> str:
-  """The per-step reward as aligned `step` / `reward` line pairs, `per_row` steps to a pair."""
+def reward_table(rewards: Sequence[tuple[int, float]], per_row: int = PER_ROW, label: str = "reward") -> str:
+  """The per-step reward (or another per-step figure, `label`) as aligned `step` / `label` line
+  pairs, `per_row` steps to a pair."""
   lines = []
+  width = max(len(label), 4)
   for start in range(0, len(rewards), per_row):
     chunk = rewards[start:start + per_row]
-    lines.append("step  " + "".join(f"{s:>5}" for s, _ in chunk))
-    lines.append("reward" + "".join(f"{r:5.2f}" for _, r in chunk))
+    lines.append("step".ljust(width) + "".join(f"{s:>5}" for s, _ in chunk))
+    lines.append(label.ljust(width) + "".join(f"{r:5.2f}" for _, r in chunk))
   return "\n".join(lines)
 
 
 def render(metrics: list[dict[str, Any]], *, eval_before: list[dict] | None = None,
            eval_after: list[dict] | None = None, wall_s: float | None = None, command: str = "rljax train",
            date: str | None = None, machine: str | None = None) -> str:
-  """The Markdown between the markers, from a run's metrics.jsonl rows (and its evaluations)."""
-  steps = sorted((m for m in metrics if "reward/mean" in m), key=lambda m: m["step"])
+  """The Markdown between the markers, from a run's metrics.jsonl rows (and its evaluations). A run
+  that samples (RL, rft, distill) gets its per-step training reward; one that does not (sft), its loss."""
+  steps = sorted((m for m in metrics if "time/step" in m), key=lambda m: m["step"])
   if not steps:
-    raise FiguresError("the metrics hold no training step (no row with reward/mean); did the run train?")
+    raise FiguresError("the metrics hold no training step (no row with time/step); did the run train?")
   evals = sorted((m for m in metrics if "eval/accuracy" in m), key=lambda m: m["step"])
   last = steps[-1]["step"]
   date = date or datetime.date.today().isoformat()
@@ -127,8 +130,12 @@ def render(metrics: list[dict[str, Any]], *, eval_before: list[dict] | None = No
   if mfu:
     out.append("| model FLOP/s over peak (perf/mfu), median step | " +
                ", ".join(f"{label} {_pct(statistics.median(m[key] for m in steps))}" for label, key in mfu) + " |")
-  out += ["", "Training reward (reward/mean over the step's completions) per step:", "", "```",
-          reward_table([(m["step"], m["reward/mean"]) for m in steps]), "```"]
+  if all("reward/mean" in m for m in steps):
+    out += ["", "Training reward (reward/mean over the step's completions) per step:", "", "```",
+            reward_table([(m["step"], m["reward/mean"]) for m in steps]), "```"]
+  elif all("loss" in m for m in steps):
+    out += ["", "Training loss per step:", "", "```", reward_table([(m["step"], m["loss"]) for m in steps],
+                                                                  label="loss"), "```"]
   if all("response_length_mean" in m and "truncation_rate" in m for m in (steps[0], steps[-1])):
     out += ["", f"Mean completion length: {steps[0]['response_length_mean']:.1f} tokens at step {steps[0]['step']}, "
                 f"{steps[-1]['response_length_mean']:.1f} at step {last}; completions cut off at the token limit: "

@@ -52,6 +52,15 @@ def test_render_table_and_per_step_rewards(tmp_path):
   assert "11.5 tokens at step 1, 5.0 at step 14" in block
 
 
+def test_render_a_run_that_samples_nothing_shows_its_loss(tmp_path):
+  """train.objective='sft' logs no reward: the per-step table is the loss."""
+  rows = [{"step": s, "loss": 2.0 / s, "time/step": 1.0, "time/update": 1.0} for s in (1, 2, 3)]
+  block = figures.render(rows, date="2026-01-02", machine="2 cores")
+  assert "| one step, median | 1.0 s: update 1.0 s |" in block and "reward" not in block
+  table = block[block.index("```\n") + 4:block.rindex("\n```")].splitlines()
+  assert table == ["step    1    2    3", "loss 2.00 1.00 0.67"]
+
+
 def test_replace_block_between_markers_only(tmp_path):
   start, end = figures.markers("default")
   text = f"intro\n{start}\nold table\n{end}\noutro\n"
