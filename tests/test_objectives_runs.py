@@ -58,7 +58,7 @@ def _straight_and_resumed(make, steps, split):
 
 
 def test_sft_recipe_on_a_tiny_model_learns_resumes_exactly_and_exports(tmp_path):
-  """configs/sft_arithmetic.py (chat-formatted arithmetic prompts, the answers as targets) on a tiny random
+  """configs/sft_arithmetic.py (chat-formatted arithmetic prompts, "7 * 8 = 56" targets) on a tiny random
   model: the cross-entropy falls, 2 steps + resume + 2 equals 4 straight (bitwise), and the export is the
   trained model."""
   make = lambda name: _config("sft_arithmetic.py", tmp_path / name, *TINY, "train.steps=4", "optim.learning_rate=3e-2",
@@ -67,7 +67,7 @@ def test_sft_recipe_on_a_tiny_model_learns_resumes_exactly_and_exports(tmp_path)
   want, straight, _ = _straight_and_resumed(make, steps=4, split=2)
   losses = [m["nll"] for m in want]
   assert losses[-1] < losses[0] - 1.0, losses
-  assert all(m["num_tokens"] >= 8 * 2 for m in want)   # each target: the answer's digits and <|im_end|>
+  assert all(m["num_tokens"] >= 8 * 6 for m in want)   # each target: "a op b = c" and <|im_end|>
   exported = rljax.load_pretrained(str(tmp_path / "straight" / "hf"))
   for a, b in zip(_leaves(exported.params), _leaves(straight.state.params)):
     np.testing.assert_array_equal(a, b)
