@@ -47,6 +47,19 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
+def check_mesh_shape(shape: Sequence[int], name: str = "mesh.shape") -> list[int]:
+  """`shape` as a list, if it is 3 axis sizes (data, fsdp, tensor), each positive or -1 (at most
+  one); else a ConfigError naming `name`. Needs no devices (config validation calls it)."""
+  shape = list(shape)
+  if len(shape) != 3:
+    raise ConfigError(f"{name}={tuple(shape)} must have 3 entries (data, fsdp, tensor).")
+  if shape.count(-1) > 1:
+    raise ConfigError(f"{name}={tuple(shape)} may contain at most one -1.")
+  if any(not isinstance(s, (int, np.integer)) or s == 0 or s < -1 for s in shape):
+    raise ConfigError(f"{name}={tuple(shape)}: every entry must be a positive size or -1.")
+  return shape
+
+
 def make_mesh(shape: Sequence[int] | None = None, devices=None, *, name: str = "mesh.shape") -> Mesh:
   """A (data, fsdp, tensor) mesh over every device given (default: all of `jax.devices()`).
 
@@ -57,15 +70,7 @@ def make_mesh(shape: Sequence[int] | None = None, devices=None, *, name: str = "
   """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
-  if shape is None:
-    shape = (n, 1, 1)
-  shape = list(shape)
-  if len(shape) != 3:
-    raise ConfigError(f"{name}={tuple(shape)} must have 3 entries (data, fsdp, tensor).")
-  if shape.count(-1) > 1:
-    raise ConfigError(f"{name}={tuple(shape)} may contain at most one -1.")
-  if any(s == 0 or s < -1 for s in shape):
-    raise ConfigError(f"{name}={tuple(shape)}: every entry must be a positive size or -1.")
+  shape = check_mesh_shape((n, 1, 1) if shape is None else shape, name)
   if -1 in shape:
     known = math.prod(s for s in shape if s != -1)
     if n % known:

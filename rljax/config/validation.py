@@ -14,6 +14,7 @@ import os
 
 import ml_collections
 
+from rljax import sharding as shd
 from rljax.config.derive import dynamic_oversample, lora_config, loss_config, max_staleness
 from rljax.config.schema import base_config
 from rljax.data.config import eval_reads_training_data
@@ -85,8 +86,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                       "(it would be ignored): set train.dynamic_sampling=True or drop train.oversample.")
   if dynamic_oversample(c) < 1:
     raise ConfigError(f"config.train.oversample={t.oversample} must be >= 1.")
-  if len(c.mesh.shape) != 3:
-    raise ConfigError(f"config.mesh.shape={tuple(c.mesh.shape)} must have 3 entries (data, fsdp, tensor).")
+  shd.check_mesh_shape(c.mesh.shape, "config.mesh.shape")
   _validate_objective(c)
   _validate_group_size(c)
   _validate_rollout(c)
@@ -297,10 +297,7 @@ def _validate_rollout(c: ml_collections.ConfigDict) -> None:
     _positive(c, "rollout.sync_every", r.sync_every)
     _positive(c, "rollout.queue_size", r.queue_size)
     _positive(c, "rollout.generator_devices", r.generator_devices, allow_zero=True)
-    shape = tuple(r.generator_mesh)
-    if len(shape) != 3 or shape.count(-1) > 1 or any(not isinstance(s, int) or s == 0 or s < -1 for s in shape):
-      raise ConfigError(f"config.rollout.generator_mesh={shape} must be 3 positive sizes (data, fsdp, tensor), "
-                        "one of which may be -1 (the rest of the generator devices), e.g. (-1, 1, 2).")
+    shd.check_mesh_shape(r.generator_mesh, "config.rollout.generator_mesh")
     if r.sync_every > max_staleness(c) + 1:
       raise ConfigError(
           f"config.rollout.sync_every={r.sync_every} with max_staleness={max_staleness(c)} would stall: a "
