@@ -22,6 +22,8 @@ import os
 import resource
 import signal
 import sys
+import threading
+import time
 from typing import Callable
 
 # The limits whose lowering breaks later items (EMFILE, MemoryError): one getrlimit each per check.
@@ -31,6 +33,10 @@ _ITIMERS = (("ITIMER_REAL", signal.ITIMER_REAL), ("ITIMER_VIRTUAL", signal.ITIME
 # Fields of /proc/self/stat, counted from the one after the command name (state = 0).
 _THREADS, _RSS, _BLOCKED, _IGNORED, _CAUGHT = 17, 21, 29, 30, 31
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+# A Python thread's join() returns when the thread releases its state, a moment before the kernel
+# drops it from the thread count; on a busy machine that moment can outlast the item's reply. Only
+# when every Python thread the item started has been joined is the kernel's count given this long.
+_JOINED_THREAD_GRACE_S = 1.0
 
 
 def _environ() -> dict:
@@ -67,6 +73,7 @@ class ProcessState:
     self.fd_count = self._fd_count()
     stat = self._stat_fields()
     self.threads = stat[_THREADS]
+    self.py_threads = threading.active_count()
     self.signals = stat[_BLOCKED:_CAUGHT + 1]
     self.rss = int(stat[_RSS]) * _PAGE
     self.cwd = self._cwd()
@@ -100,9 +107,25 @@ class ProcessState:
     os.umask(old)
     return old
 
+  def _after_joined_threads_exit(self, stat: list[bytes]) -> list[bytes]:
+    """The stat fields once the kernel has caught up with threads Python already joined.
+
+    Returns at once when Python itself still runs more threads than at the baseline (a thread
+    left running), or when the kernel's count is below the baseline."""
+    deadline = time.monotonic() + _JOINED_THREAD_GRACE_S
+    pause = 0.0005
+    while (int(stat[_THREADS]) > int(self.threads) and threading.active_count() <= self.py_threads
+           and time.monotonic() < deadline):
+      time.sleep(pause)
+      pause = min(pause * 2, 0.05)
+      stat = self._stat_fields()
+    return stat
+
   def check(self) -> str | None:
     """What differs from the baseline (None: nothing); likeliest first. About 13 system calls."""
     stat = self._stat_fields()
+    if stat[_THREADS] != self.threads:
+      stat = self._after_joined_threads_exit(stat)
     if stat[_THREADS] != self.threads:
       return f"left {int(stat[_THREADS]) - int(self.threads)} thread(s) running"
     if stat[_BLOCKED:_CAUGHT + 1] != self.signals:
