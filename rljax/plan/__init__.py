@@ -26,7 +26,7 @@ import jax
 from rljax import sharding as shd
 from rljax.config import resolve_config
 from rljax.errors import ConfigError
-from rljax.plan import programs as progs, report as rep
+from rljax.plan import programs as progs, report as rep, timing
 from rljax.plan.programs import PROGRAMS, Run, build_run
 from rljax.plan.topology import Topology, backends_started, parse_topology
 
@@ -36,12 +36,16 @@ NO_FIT = 3   # exit status when a program does not fit (1 is an error, 2 a usage
 
 
 def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "learner"),
-              layers: tuple[int, int] | None = None, dump_dir: str | None = None) -> dict:
+              layers: tuple[int, int] | None = None, dump_dir: str | None = None,
+              chip: str | None = None, completion_tokens: float | None = None) -> dict:
   """Compiles `programs` of `run` for `topo` and returns the plan as a JSON-able dict.
 
   layers: None compiles the model at its depth; (a, b) compiles it at a and b layers and
   extrapolates the compiled figures linearly to the real depth (approximate, docs/plan.md;
   parameters, optimizer state and KV cache stay exact). dump_dir: write each per-chip HLO there.
+  chip: estimate the step's time with this chip's rates (timing.KNOWN_CHIPS) instead of the
+  topology's own; completion_tokens: the average completion length the estimate assumes (default
+  half of sampling.max_new_tokens).
   """
   devices = topo.devices()
   if topo.hbm_bytes:   # a deviceless chip reports no memory: give the sampler's layout choice its budget
@@ -87,6 +91,7 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
   if run.lora is not None and run.needs_reference:
     notes.append("LoRA: the KL reference is the frozen base with the adapters off; no second copy of the model "
                  "is kept (reference params 0).")
+  time = step_time(run, topo, mesh_shape, full, layout, kv, reports, chip, completion_tokens)
   return {
       "topology": {"name": topo.name, "platform": topo.platform, "chips": topo.chips,
                    "description": topo.describe(), "hbm_bytes": topo.hbm_bytes, "mesh": mesh_shape},
@@ -99,8 +104,52 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
       "programs": {r.program: r.to_json() for r in reports},
       "decode": decode,
       "fits": rep.overall_fits(reports),
+      "time": time,
       "notes": notes,
   }
+
+
+def step_time(run: Run, topo: Topology, mesh_shape: dict[str, int], full, layout, kv: int,
+              reports: list, chip: str | None, completion_tokens: float | None) -> dict:
+  """The roofline estimate of one step (rljax/plan/timing.py) from the plan's per-chip figures."""
+  from rljax.rollout.slots import decode_slots
+  chips = 1
+  for n in mesh_shape.values():
+    chips *= n
+  dtype = run.model.dtype
+  if chip:
+    rates = timing.spec_rates(chip, dtype)
+  elif topo.platform == "cpu":
+    rates = timing.host_rates(chips, dtype)
+  else:
+    rates = timing.spec_rates(topo.generation, dtype)
+  completion = run.completion_len / 2 if completion_tokens is None else float(completion_tokens)
+  if not 0 < completion <= run.completion_len:
+    raise ConfigError(f"--completion-tokens={completion_tokens}: give an average completion length in "
+                      f"(0, {run.completion_len}] (sampling.max_new_tokens).")
+  by_name = {r.program: r for r in reports}
+
+  def coll(program: str, key: str) -> float:
+    r = by_name.get(program) or by_name.get("fused")
+    h = (r.compiled.hlo or {}) if r is not None else {}
+    return float(sum(h.get(key, {}).values()))
+
+  learner = by_name.get("learner") or by_name.get("fused")
+  state = learner.state_bytes if learner is not None else full.param_bytes + full.opt_bytes + full.ref_bytes
+  spec = run.spec
+  missing = [f"{what} (the {program} was not compiled: --program all)" for what, program in
+             (("collectives per decode token", "sampler"), ("collectives per update", "learner"))
+             if program not in by_name and "fused" not in by_name]
+  out = timing.estimate(
+      model=run.model, rates=rates, chips=chips, prompts=run.prompts, group=run.group, prompt_len=run.prompt_len,
+      max_new=run.completion_len, completion=completion, decode_rows=decode_slots(spec.sampling, run.rows),
+      packed=run.config.train.pack_tokens > 0, epochs=spec.epochs,
+      extra_forwards=int(run.needs_reference) + int(spec.recompute_old_logprobs),
+      sampler_weights_bytes=layout.bytes_per_chip, kv_bytes=kv, state_bytes=state, remat=run.model.remat,
+      decode_collective_bytes=coll("sampler", "per_decode_token"),
+      update_collective_bytes=coll("learner", "per_update"), updates=run.updates)
+  out["left_out"] = missing
+  return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,6 +169,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--layers", default=None,
                  help="A,B: compile at A and B layers and extrapolate linearly to the model's depth (approximate; "
                       "saves compile time mostly for the sampler, whose decode unrolls the layers)")
+  p.add_argument("--chip", default=None, choices=timing.KNOWN_CHIPS,
+                 help="estimate the step's time with this chip's spec-sheet rates (default: the topology's chip; "
+                      "cpu:N topologies measure this machine)")
+  p.add_argument("--completion-tokens", type=float, default=None,
+                 help="average completion length the time estimate assumes (default: half sampling.max_new_tokens)")
   p.add_argument("--dump-hlo", metavar="DIR", default=None,
                  help="write each compiled per-chip HLO module to DIR (to read shapes and collectives yourself)")
   return p
@@ -147,7 +201,7 @@ def main(argv: Sequence[str]) -> int:
       raise ConfigError(f"--layers={args.layers!r}: expected two depths A,B such as 1,2.") from None
     layers = (a, b)
   programs = ("sampler", "learner") if args.program == "all" else (args.program,)
-  plan = make_plan(build_run(config), topo, programs, layers, args.dump_hlo)
+  plan = make_plan(build_run(config), topo, programs, layers, args.dump_hlo, args.chip, args.completion_tokens)
   if args.json:
     print(json.dumps(plan, indent=2))
   else:

@@ -276,6 +276,10 @@ def render_text(plan: dict) -> str:
       lines.append("")
       lines.append(f"{n} does not fit; what to change:")
       lines.extend(f"  - {s}" for s in progs[n]["suggestions"])
+  if plan.get("time"):
+    from rljax.plan.timing import render as render_time
+    lines.append("")
+    lines.extend(render_time(plan["time"]))
   lines.append("")
   verdict = plan["fits"]
   lines.append({True: "verdict: fits", False: "verdict: does NOT fit",
