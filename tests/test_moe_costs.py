@@ -82,3 +82,11 @@ def test_plan_reports_the_experts_share_of_parameters_and_optimizer_state_per_ch
   assert learner["expert_opt_state_bytes"] == 2 * experts   # AdamW's two moments
   text = render_text(plan)
   assert "of which experts" in text and "2 of 8 experts per token" in text
+  # The sampler keeps the routed experts split over fsdp (expert parallel); its layout says so.
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    main(TINY + ["--config.model.random.architecture=qwen3_moe", "--topology", "cpu:8", "--program", "sampler",
+                 "--json"])
+  decode = json.loads(out.getvalue())["decode"]
+  assert decode["kind"] == "replicated" and "whole model except the routed experts" in decode["description"]
+  assert "routed experts split over 8 chips" in decode["description"]

@@ -210,6 +210,8 @@ SCHEMA = Section(
                          "refused without it", placeholder=int),
         stop_signals=Field(["SIGINT", "SIGTERM"], "signals that stop the run after the step in progress, with a "
                            "checkpoint (a second one exits at once); [] = die at once, the default behaviour"),
+        process_deadline_s=Field(1800.0, "multi-process runs: seconds a process waits at the end of a step for the "
+                                 "others before stopping with an error that names the missing ones (0: forever)"),
     ),
     sft=Section(
         "train.objective='sft': supervised fine-tuning on target responses (README \"Beyond RL\")",

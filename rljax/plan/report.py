@@ -297,6 +297,12 @@ def decode_json(layout, mesh, run: Run, reports: list[ProgramReport], topo: Topo
     return None
   out = layout.to_json(mesh)
   out["rows_per_chip"] = rows_per_chip(layout.mesh(mesh), run.rows)
+  experts = _expert_split(run, layout.mesh(mesh))
+  if experts > 1:   # DECODE_RULES keep the routed experts split over fsdp (expert parallelism)
+    out["description"] = out["description"].replace(
+        "every chip holds the whole model", "every chip holds the whole model except the routed experts")
+    out["description"] += (f"; routed experts split over {experts} chips (expert parallel: tokens move to "
+                           "the experts, not weights to the tokens)")
   out["decided_at"] = (f"full depth ({run.model.num_layers} layers), from the weights' bytes in "
                        f"{jnp.dtype(run.model.compute_dtype).name} against the budget (not from a compile)")
   h = decoding[0].compiled.hlo or {}
@@ -307,6 +313,8 @@ def decode_json(layout, mesh, run: Run, reports: list[ProgramReport], topo: Topo
   if gathered is not None and gathered > DECODE_GATHER_WARN_BYTES:
     d, f, t = (mesh.shape[a] for a in ("data", "fsdp", "tensor"))
     chips = d * f * t
+    dispatch = (" (with experts split over chips this includes moving tokens to their experts: "
+                "docs/models.md#expert-parallelism)" if experts > 1 else "")
     if layout.fallback:
       bigger = next_larger(topo)
       larger = f" (--topology {bigger})" if bigger else ""
@@ -316,9 +324,17 @@ def decode_json(layout, mesh, run: Run, reports: list[ProgramReport], topo: Topo
                         "tensor axis over more chips holds them.")
     else:
       k = 2 if f % 2 == 0 else f
-      out["warning"] = (f"decoding all-gathers {fmt_bytes(gathered)} per token per chip in this layout: give decoding "
-                        f"a tensor axis, e.g. --config.mesh.shape='({d}, {f // k}, {t * k})' ({chips} chips).")
+      out["warning"] = (f"decoding all-gathers {fmt_bytes(gathered)} per token per chip in this layout{dispatch}: give "
+                        f"decoding a tensor axis, e.g. --config.mesh.shape='({d}, {f // k}, {t * k})' ({chips} chips).")
   return out
+
+
+def _expert_split(run: Run, decode_mesh) -> int:
+  """Over how many chips the sampler splits a mixture of experts' routed experts (1: dense, or
+  experts not split): the fsdp axis of the decode mesh, where it divides the expert count."""
+  moe = getattr(run.model, "moe", None)
+  f = decode_mesh.shape["fsdp"]
+  return f if moe is not None and f > 1 and moe.num_experts % f == 0 else 1
 
 
 def overall_fits(reports: list[ProgramReport]) -> bool | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -306,8 +307,9 @@ class Trainer:
   def _stop_signals(self):
     from rljax.trainer.stopping import StopSignals, any_process_requested
     multi = jax.process_count() > 1
+    agree = functools.partial(any_process_requested, deadline_s=float(self.config.train.process_deadline_s))
     return StopSignals(self.config.train.stop_signals, multi_process=multi,
-                       agree=any_process_requested if multi else None, on_first=self._stop_message)
+                       agree=agree if multi else None, on_first=self._stop_message)
 
   def _stop_message(self, signum: int) -> str:
     import signal

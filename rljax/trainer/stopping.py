@@ -22,14 +22,21 @@ a preemption notice that reaches one process of a pod stops all of them after th
 with one checkpoint they all wrote. Work that may end early on one process (`check`, the
 evaluation) is not cut short in a multi-process run: that would leave the others in a
 collective. Without `agree` the handlers are installed only in single-process runs.
+
+Before that all-gather each process announces the step it finished in the coordinator's key-value
+store and waits, at most `train.process_deadline_s`, for the others' announcements
+(`reached_step`): a process that hangs or died is named in a `ProcessDeadline` error on the
+others, instead of every process waiting in the collective forever.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable, Sequence
 
 from rljax.errors import ConfigError, RljaxError
@@ -168,12 +175,61 @@ class StopSignals:
     return bool(self.agree(step, here)) if self.agree is not None else here
 
 
-def any_process_requested(step: int, requested_here: bool) -> bool:
+class ProcessDeadline(RljaxError):
+  """Some processes of a multi-process run did not finish a step within train.process_deadline_s."""
+
+
+# One key per process per call: the loop may agree twice on one step (after the last step, then at
+# the end of the run), and every process makes the same calls in the same order (a collective follows).
+_STEP_KEY = "rljax/step_done/{round}/{process}"
+_ROUNDS = itertools.count()
+
+
+def reached_step(step: int, deadline_s: float, client=None) -> None:
+  """Announces that this process finished `step` and waits, at most `deadline_s` seconds, until
+  every process has; raises ProcessDeadline naming the processes that had not. Uses the
+  `jax.distributed` coordinator's key-value store (no device collective, so it can time out).
+  client: the distributed runtime client (default: this process's)."""
+  import jax
+  if client is None:
+    from jax._src import distributed
+    client = distributed.global_state.client
+  count, me = jax.process_count(), jax.process_index()
+  round_ = next(_ROUNDS)
+  client.key_value_set(_STEP_KEY.format(round=round_, process=me), "1")
+  deadline = time.monotonic() + deadline_s
+  missing: list[int] = []
+  for other in range(count):
+    left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+    try:
+      client.blocking_key_value_get(_STEP_KEY.format(round=round_, process=other), left_ms)
+    except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED from the runtime: count who is missing
+      done = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get(f"rljax/step_done/{round_}/")}
+      missing = [p for p in range(count) if str(p) not in done]
+      break
+  if round_ >= 2:   # the store keeps every key: drop this process's own of two rounds ago
+    try:
+      client.key_value_delete(_STEP_KEY.format(round=round_ - 2, process=me))
+    except Exception:  # noqa: BLE001 - a key already gone is not worth failing a step for
+      pass
+  if missing:
+    raise ProcessDeadline(
+        f"process(es) {missing} of {count} did not finish step {step} within "
+        f"train.process_deadline_s={deadline_s:g} s (this is process {me}). A process that hangs or died is the "
+        "cause: read its own log. One that is only slower (work on it alone, a slow host) needs a larger "
+        "--config.train.process_deadline_s (0 waits forever). This process stops without saving step "
+        f"{step}; a restart resumes from the last complete checkpoint.")
+
+
+def any_process_requested(step: int, requested_here: bool, deadline_s: float = 0.0) -> bool:
   """The `agree` of a multi-process run: whether a stop signal reached any process by the end of
-  `step`. Every process must call it after every step (it is an all-gather across processes)."""
-  del step
+  `step`. Every process must call it after every step (it is an all-gather across processes);
+  with deadline_s > 0 it first waits at most that long for every process to finish the step
+  (`reached_step`)."""
   import numpy as np
   from jax.experimental import multihost_utils
+  if deadline_s > 0:
+    reached_step(step, deadline_s)
   flags = multihost_utils.process_allgather(np.asarray([requested_here], np.int32))
   return bool(np.asarray(flags).any())
 
