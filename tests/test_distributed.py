@@ -159,3 +159,45 @@ def test_a_stop_signal_on_one_process_stops_both_after_the_same_step(tmp_path):
   assert "SIGTERM received" in outputs[1] and "SIGTERM received" not in outputs[0]
   from rljax.trainer.checkpoint import Checkpointer
   assert Checkpointer(os.path.join(out, "checkpoints"), read_only=True).latest_step() == step
+
+
+def test_sigterm_to_both_processes_then_a_restart_reproduces_an_uninterrupted_run(tmp_path):
+  """A pod preempted mid-run: SIGTERM to both processes stops them after the same step with one
+  checkpoint; the same command on both resumes there, and the 6 steps' metrics and final
+  parameters equal those of a 2-process run that was never interrupted."""
+  import re
+  import signal
+  import time
+  steps = ("train.steps=6", "checkpoint.every=0")
+  whole = _two_processes(tmp_path / "whole", *steps)
+
+  out = tmp_path / "preempted"
+  env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "2"}
+  workers = [_train(out, 1, {**env, "JAX_PROCESS_ID": str(i)}, True, *steps) for i in range(2)]
+  try:
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and '"loss"' in metrics.read_text()):
+      assert time.monotonic() < deadline and all(w.poll() is None for w in workers), "no step finished"
+      time.sleep(0.2)
+    for w in workers:
+      w.send_signal(signal.SIGTERM)
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+  finally:
+    for w in workers:
+      w.kill()
+  assert [w.returncode for w in workers] == [0, 0], [o[-3000:] for o in outputs]
+  stopped = [re.search(r"stopped by SIGTERM after step (\d+) of 6", o) for o in outputs]
+  assert all(stopped), [o[-3000:] for o in outputs]
+  step = int(stopped[0].group(1))
+  assert int(stopped[1].group(1)) == step < 6
+
+  resumed = _two_processes(out, *steps)   # the same command again, on both processes
+  (m_resumed, p_resumed), (m_whole, p_whole) = resumed, whole
+  assert [m["step"] for m in m_resumed] == [m["step"] for m in m_whole] == list(range(1, 7))
+  for r, w in zip(m_resumed, m_whole):
+    for key in ("reward/mean", "reward/std", "sampler/tokens", "loss", "grad_norm"):
+      assert r[key] == w[key], (r["step"], key, r[key], w[key])
+  assert p_resumed.keys() == p_whole.keys()
+  for k in p_whole:
+    np.testing.assert_array_equal(p_resumed[k], p_whole[k], err_msg=k)

@@ -35,6 +35,20 @@ __all__ = ["DataExhausted", "PromptFeed", "Trainer", "TrainingStopped", "load_po
 log = logging.getLogger("rljax")
 
 EXTRAS_BASE_FINGERPRINT = "lora_base_fingerprint"   # checkpoint extras of a LoRA run: its base's checksum
+EXTRAS_DATA_BY_PROCESS = "data_by_process"           # multi-process runs: every process's data position
+
+
+def _own_data_state(extras: dict) -> dict:
+  """This process's data position in a checkpoint's extras: its entry of `data_by_process` (a
+  multi-process run's), else `data` (process 0's, all a one-process run has)."""
+  by_process = extras.get(EXTRAS_DATA_BY_PROCESS)
+  if by_process is None:
+    return extras["data"]
+  if len(by_process) != jax.process_count():
+    raise ConfigError(f"the checkpoint was saved by {len(by_process)} processes and this run has "
+                      f"{jax.process_count()}: its data positions are per process; resume with "
+                      f"{len(by_process)} processes.")
+  return by_process[jax.process_index()]
 
 
 class Interrupted(TrainingStopped):
@@ -203,7 +217,7 @@ class Trainer:
                               self.state_shardings.saved())
       restored, extras = self.ckpt.restore(abstract_state=abstract)
       self.state = restored.replace(frozen=self.state.frozen, teacher=self.state.teacher)
-      self.feed.restore(extras["data"])
+      self.feed.restore(_own_data_state(extras))
       self.data_state = self.batcher.state()
       self.history = extras.get("metrics", [])
       self.start_step = int(self.state.step)
@@ -438,11 +452,15 @@ class Trainer:
         progress=c.output.progress and jax.process_index() == 0, stop=stop.check if stop is not None else None)
 
   def save(self, eval_metrics=None, force=False):
+    # Only process 0 writes the extras, but each process reads its own shard of the data: keep all.
+    data_by_process = shd.allgather_objects(self.data_state) if jax.process_count() > 1 else None
     extras = {"data": self.data_state, "config": json.loads(config_lib.to_json(self.config)),
               "metrics": self.history, "model_config": self.model_config.to_hf(),
               "tokenizer": self.config.tokenizer or self.config.model.path}
     if self.base_fingerprint is not None:   # LoRA: the adapters and the base they go on (config.model)
       extras[EXTRAS_BASE_FINGERPRINT] = self.base_fingerprint
+    if data_by_process is not None:
+      extras[EXTRAS_DATA_BY_PROCESS] = data_by_process
     metrics = None
     if eval_metrics:
       metrics = {f"eval/{k}": v for k, v in eval_metrics.items() if isinstance(v, float)}
