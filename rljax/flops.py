@@ -27,6 +27,17 @@ _PEAK_BF16 = (
     ("v6", 918e12), ("v5p", 459e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v4", 275e12),
     ("h200", 989e12), ("h100", 989e12), ("a100", 312e12), ("l4", 121e12),
 )
+_GPUS = ("h200", "h100", "a100", "l4")
+
+
+def spec_peak(kind: str, dtype_name: str) -> tuple[str, float] | None:
+  """(the table's name, dense peak FLOP/s per chip) from the spec sheets, for a device kind that
+  contains a known name (None: not known). float32 on GPUs runs through TF32 at half the bf16 rate."""
+  kind = kind.lower()
+  for name, peak in _PEAK_BF16:
+    if name in kind:
+      return name, peak * (0.5 if dtype_name == "float32" and name in _GPUS else 1.0)
+  return None
 
 
 def _weight_matmul_flops(config, tokens: int) -> float:
@@ -213,11 +224,9 @@ def device_peak_flops(dtype_name: str = "float32") -> tuple[float, str]:
     log.warning("ignoring $%s=%r: expected a positive number of FLOP/s", PEAK_ENV, os.environ[PEAK_ENV])
   devices = jax.devices()
   kind = devices[0].device_kind.lower()
-  if devices[0].platform != "cpu":
-    for name, peak in _PEAK_BF16:
-      if name in kind:
-        scale = 0.5 if dtype_name == "float32" and devices[0].platform == "gpu" else 1.0
-        return peak * scale * len(devices), f"spec sheet ({kind}, {len(devices)} chips)"
+  known = spec_peak(kind, dtype_name) if devices[0].platform != "cpu" else None
+  if known is not None:
+    return known[1] * len(devices), f"spec sheet ({kind}, {len(devices)} chips)"
   wall, by_cpu = matmul_rates(dtype=jnp.dtype(dtype_name), iters=10)
   measured = max(wall, by_cpu) if devices[0].platform == "cpu" else wall
   peak = best_measured_peak(_cache_key(f"{devices[0].platform}:{kind}", dtype_name), measured)

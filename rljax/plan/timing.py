@@ -28,18 +28,19 @@ import jax.numpy as jnp
 from rljax import flops
 from rljax.errors import ConfigError
 
-# Per chip, from the vendors' spec sheets: dense bf16 FLOP/s, HBM bytes/s, and interconnect
-# bytes/s (TPU ICI: Google's per-chip Gbps / 8; GPU: NVLink per direction).
-_RATES = {
-    "v4": (275e12, 1.2e12, 300e9),
-    "v5e": (197e12, 819e9, 200e9),
-    "v5p": (459e12, 2.765e12, 600e9),
-    "v6e": (918e12, 1.64e12, 448e9),
-    "h200": (989e12, 4.8e12, 450e9),
-    "h100": (989e12, 3.35e12, 450e9),
-    "a100": (312e12, 2.039e12, 300e9),
+# Per chip, from the vendors' spec sheets: HBM bytes/s and interconnect bytes/s (TPU ICI: Google's
+# per-chip Gbps / 8; GPU: NVLink per direction). The peak FLOP/s are rljax/flops.py's.
+_MEMORY = {
+    "v4": (1.2e12, 300e9),
+    "v5e": (819e9, 200e9),
+    "v5p": (2.765e12, 600e9),
+    "v6e": (1.64e12, 448e9),
+    "h200": (4.8e12, 450e9),
+    "h100": (3.35e12, 450e9),
+    "a100": (2.039e12, 300e9),
 }
-KNOWN_CHIPS = tuple(_RATES)
+KNOWN_CHIPS = tuple(_MEMORY)
+_FLOPS_NAMES = {"v6": "v6e", "v5 lite": "v5e"}   # flops.py's table names -> these
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +55,13 @@ class ChipRates:
 
 
 def spec_rates(chip: str, dtype: str) -> ChipRates:
-  """The spec-sheet rates of `chip` (a key of _RATES, or a device kind containing one)."""
-  key = next((k for k in _RATES if k in chip.lower().replace(" lite", "e")), None)
-  if key is None:
+  """The spec-sheet rates of `chip` (a name of KNOWN_CHIPS, or a device kind containing one)."""
+  known = flops.spec_peak(chip, dtype)
+  key = _FLOPS_NAMES.get(known[0], known[0]) if known else None
+  if key not in _MEMORY:
     raise ConfigError(f"no rates known for chip {chip!r}; known: {', '.join(KNOWN_CHIPS)}.")
-  peak, hbm, link = _RATES[key]
-  if dtype == "float32" and key in ("h200", "h100", "a100"):
-    peak /= 2
-  return ChipRates(key, peak, hbm, link, f"spec sheet ({key})")
+  hbm, link = _MEMORY[key]
+  return ChipRates(key, known[1], hbm, link, f"spec sheet ({key})")
 
 
 @functools.lru_cache(maxsize=None)
