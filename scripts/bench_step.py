@@ -24,10 +24,15 @@ consecutive reward calls (it has no step callback), so one extra step is run.
 
 With `--natural`, every side honours EOS (the same prompts, the same 128-token cap), so completions
 have their natural, ragged lengths; rljax then packs its update (`train.pack_tokens`, blocks of
-`--pack-rows` rows' width of real tokens, default 8, instead of 4 padded micro-batches of 16 rows: half
-the activation memory per block, and a short last block wastes less) and the report adds the update's real
-and padded token counts. It also decodes with 16 decode slots for the 64 rows (`sampling.slots`, continuous
-batching, docs/sampling.md; `--slots N` to change, 0 = one slot per row): natural lengths here are long-tailed
+`--pack-rows` rows' width of real tokens, default 4, instead of 4 padded micro-batches of 16 rows: a
+short last block wastes less) in bins of `--bin-rows` rows' width (`train.pack_width`, default 2) and
+the report adds the update's trained, real, computed and padded positions. The packed update computes
+each prompt once per chunk of its group's completions (`train.shared_prefix`, trainer/packing.py;
+`--no-shared-prefix` packs every row with its own prompt copy, the earlier layout: the 48-token prompts
+were then about half of the computed positions). `--remat off` runs rljax without
+rematerialisation (the default recipe's `model.remat=True` is kept otherwise). It also decodes with 16
+decode slots for the 64 rows (`sampling.slots`, continuous batching, docs/sampling.md; `--slots N` to change,
+0 = one slot per row): natural lengths here are long-tailed
 (mean ~34 of 128, a few truncated), and on SmolLM2-135M with these prompts 16 slots generated the same samples
 1.55-1.75x faster than one slot per row, 32 slots 1.4-1.5x (this CPU, loaded; two interleaved rounds). The
 report gives the sampler's slot utilisation (tokens made / decode slots x decode steps) and decode steps.
@@ -66,8 +71,8 @@ def export_model(out_dir: str) -> str:
   return rljax.save_pretrained(policy, out_dir)
 
 
-def run_rljax(hf_dir: str, steps: int, work_dir: str, natural: bool = False, pack_rows: int = 8,
-              slots: int = 0) -> dict:
+def run_rljax(hf_dir: str, steps: int, work_dir: str, natural: bool = False, pack_rows: int = 4,
+              slots: int = 0, shared_prefix: bool = True, bin_rows: int = 2, remat: bool = True) -> dict:
   """The embedded default recipe, resized to the benchmark's work."""
   from rljax.config_overrides import apply_overrides, load_config_file
   from rljax.trainer.loop import Trainer
@@ -78,9 +83,11 @@ def run_rljax(hf_dir: str, steps: int, work_dir: str, natural: bool = False, pac
       f"sampling.max_new_tokens={NEW_TOKENS}", f"sampling.ignore_eos={not natural}", "sampling.temperature=1.0",
       f"train.steps={steps}", "eval.before_and_after=False", "output.export_hf=False", f"sampling.slots={slots}",
       "output.progress=False", "output.tensorboard=False", "checkpoint.every=0", "checkpoint.resume=False",
+      f"model.remat={remat}",
   ])
   width = cfg.data.max_prompt_tokens + NEW_TOKENS
-  apply_overrides(cfg, [f"train.pack_tokens={pack_rows * width}"] if natural else ["train.micro_batches=4"])
+  apply_overrides(cfg, [f"train.pack_tokens={pack_rows * width}", f"train.shared_prefix={shared_prefix}",
+                        f"train.pack_width={bin_rows * width}"] if natural else ["train.micro_batches=4"])
   trainer = Trainer(cfg)
   prompts: list[dict] = []
   set_batch = trainer.scorer.reward_fn.set_batch
@@ -98,6 +105,7 @@ def run_rljax(hf_dir: str, steps: int, work_dir: str, natural: bool = False, pac
                       "score": m["time/score"], "update": m["time/update"], "reward": m["reward/mean"],
                       "update_mfu": m.get("perf/update_mfu", 0.0), "sample_mfu": m.get("perf/sample_mfu", 0.0),
                       "real_tokens": m.get("num_tokens", 0.0), "packed_tokens": m.get("packed_tokens", 0.0),
+                      "packed_real_tokens": m.get("packed_real_tokens", 0.0),
                       "padded_tokens": m.get("padded_tokens", 0.0),
                       "slot_utilisation": m.get("sampler/slot_utilisation", 0.0),
                       "decode_steps": m.get("sampler/decode_steps", 0.0)})
@@ -205,11 +213,14 @@ def run_tunix(hf_dir: str, steps: int, work_dir: str, prompts: list[dict]) -> di
 
 
 def _child(side: str, hf_dir: str, steps: int, work_dir: str, python: str = sys.executable,
-           natural: bool = False, pack_rows: int = 8, slots: int = 0) -> dict:
+           natural: bool = False, pack_rows: int = 4, slots: int = 0, shared_prefix: bool = True,
+           bin_rows: int = 2, remat: bool = True) -> dict:
   out = os.path.join(work_dir, f"{side}.json")
   cmd = [python, os.path.abspath(__file__), "--side", side, "--hf-dir", hf_dir, "--steps", str(steps),
          "--work-dir", work_dir, "--slots", str(slots)]
-  cmd += ["--natural", "--pack-rows", str(pack_rows)] if natural else []
+  cmd += ["--natural", "--pack-rows", str(pack_rows), "--bin-rows", str(bin_rows)] if natural else []
+  cmd += [] if shared_prefix else ["--no-shared-prefix"]
+  cmd += ["--remat", "on" if remat else "off"]
   subprocess.run(cmd, check=True)
   with open(out) as f:
     return json.load(f)
@@ -221,7 +232,7 @@ def summarise(name: str, result: dict, warmup: int) -> dict:
   tokens = statistics.median(s["tokens"] for s in measured)
   row = {"side": name, "s_per_step": seconds, "tokens_per_s": tokens / seconds, "peak_rss_gib": result["peak_rss_gib"]}
   for phase in ("sample", "score", "update", "update_mfu", "sample_mfu", "real_tokens", "packed_tokens",
-                "padded_tokens", "slot_utilisation", "decode_steps"):
+                "packed_real_tokens", "padded_tokens", "slot_utilisation", "decode_steps"):
     if phase in measured[0]:
       row[phase] = statistics.median(s[phase] for s in measured)
   return row
@@ -233,7 +244,13 @@ def main(argv=None):
   p.add_argument("--warmup", type=int, default=1, help="steps excluded from the figures (compilation, caches)")
   p.add_argument("--skip-trl", action="store_true")
   p.add_argument("--natural", action="store_true", help="honour EOS on every side; rljax packs its update")
-  p.add_argument("--pack-rows", type=int, default=8, help="with --natural: rljax's packed block, in rows' widths")
+  p.add_argument("--pack-rows", type=int, default=4, help="with --natural: rljax's packed block, in rows' widths")
+  p.add_argument("--remat", choices=["on", "off"], default="on",
+                 help="rljax's model.remat (default on, the default recipe's)")
+  p.add_argument("--bin-rows", type=int, default=2,
+                 help="with --natural: rljax's packed bins' width (train.pack_width), in rows' widths")
+  p.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
+                 help="with --natural: pack every row with its own prompt copy (train.shared_prefix=False)")
   p.add_argument("--slots", type=int, default=None,
                  help="rljax's sampling.slots (decode slots, continuous batching; 0 = one per row); default 16 with "
                       "--natural, else 0 (every row runs to the budget)")
@@ -249,7 +266,8 @@ def main(argv=None):
 
   if args.side:  # a child process: run one side and write its figures
     if args.side == "rljax":
-      result = run_rljax(args.hf_dir, args.steps, args.work_dir, args.natural, args.pack_rows, args.slots)
+      result = run_rljax(args.hf_dir, args.steps, args.work_dir, args.natural, args.pack_rows, args.slots,
+                         args.shared_prefix, args.bin_rows, args.remat == "on")
     else:
       with open(os.path.join(args.work_dir, "rljax.json")) as f:
         prompts = json.load(f)["prompts"]
@@ -265,7 +283,9 @@ def main(argv=None):
   with tempfile.TemporaryDirectory() as work:
     hf_dir = export_model(os.path.join(work, "smollm2-hf"))
     rows = [summarise("rljax", _child("rljax", hf_dir, total, work, natural=args.natural, pack_rows=args.pack_rows,
-                                      slots=args.slots), args.warmup)]
+                                      slots=args.slots, shared_prefix=args.shared_prefix, bin_rows=args.bin_rows,
+                                      remat=args.remat == "on"),
+                          args.warmup)]
     if not args.skip_trl:
       trl_result = _child("trl", hf_dir, total, work, natural=args.natural)
       rows.append(summarise("TRL GRPOTrainer", trl_result, args.warmup))
@@ -283,8 +303,10 @@ def main(argv=None):
                      f"{q['s_per_step'] / r['s_per_step']:.2f}x faster") for q in peers]
   results.append(Result(f"{work}: update phase, fraction of measured matmul peak", f"{r['update_mfu']:.0%}"))
   if args.natural:
-    results.append(Result(f"{work}: update tokens (trained / computed packed / padded rows)",
-                          f"{r['real_tokens']:.0f} / {r['packed_tokens']:.0f} / {r['padded_tokens']:.0f}"))
+    results.append(Result(f"{work}: update positions (trained completion tokens / real: prompt copies + "
+                          "completions / computed in packed blocks / padded rows)",
+                          f"{r['real_tokens']:.0f} / {r['packed_real_tokens']:.0f} / {r['packed_tokens']:.0f} / "
+                          f"{r['padded_tokens']:.0f}"))
   slots = args.slots or PROMPTS * GROUP
   results.append(Result(f"{work}: sampler slot utilisation ({slots} decode slots, {r['decode_steps']:.0f} decode "
                         "steps; tokens made / slots x steps)", f"{r['slot_utilisation']:.0%}"))

@@ -243,3 +243,46 @@ def test_user_config_attention_is_validated():
   with pytest.raises(ConfigError, match=r"config\.model\.attention"):
     config_lib.validate(cfg)
   assert set(ATTENTION_IMPLS) == set(attn.IMPLEMENTATIONS)
+
+
+def _prefixed_inputs():
+  """One row: a prompt (segment 1, tokens 0-9), two completions that continue it (segments 2 and 3,
+  prefix segment 1), then an unrelated sequence (segment 4) with a padding token inside."""
+  q, k, v, w = (x[:1] for x in _inputs(b=2, t=37, seed=3)[:4])
+  seg = np.array([1] * 10 + [2] * 10 + [3] * 10 + [4] * 7, np.int32)
+  pre = np.where((seg == 2) | (seg == 3), 1, seg).astype(np.int32)
+  mask = np.ones(37, bool)
+  mask[33] = False
+  return q, k, v, w, jnp.asarray(mask[None]), jnp.asarray(seg[None]), jnp.asarray(pre[None])
+
+
+def test_prefix_segment_equals_the_prompt_attended_in_one_row():
+  """A completion that sees its prompt through `prefix_ids` gets the outputs it gets laid out right
+  after that prompt in a row of its own (xla, the reference)."""
+  q, k, v, _, mask, seg, pre = _prefixed_inputs()
+  out = attn.attend(q, k, v, token_mask=mask, segment_ids=seg, prefix_ids=pre, impl="xla")
+  for rows in (np.r_[0:10, 10:20], np.r_[0:10, 20:30]):
+    alone = attn.attend(q[:, rows], k[:, rows], v[:, rows], impl="xla")
+    np.testing.assert_allclose(out[:, rows[10:]], alone[:, 10:], **TOL)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "cudnn_wrapping"])
+def test_prefix_segment_backends_match_xla(impl):
+  q, k, v, w, mask, seg, pre = _prefixed_inputs()
+  ref, ref_grads = _value_and_grads("xla", q, k, v, w, mask, seg, prefix_ids=pre)
+  if impl == "chunked":
+    out, grads = _value_and_grads("chunked", q, k, v, w, mask, seg, prefix_ids=pre, block_q=8, block_k=8)
+  else:
+    def loss(q, k, v):
+      out = attn._cudnn(q, k, v, mask, seg, implementation="xla", prefix_ids=pre)
+      return jnp.sum(out * w), out
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  np.testing.assert_allclose(out, ref, **TOL)
+  for name, g, r in zip("qkv", grads, ref_grads):
+    np.testing.assert_allclose(g, r, err_msg=f"d{name}", **TOL)
+
+
+def test_prefix_segments_are_refused_by_splash_by_name():
+  q, k, v, _, mask, seg, pre = _prefixed_inputs()
+  with pytest.raises(ConfigError, match=r"config\.train\.shared_prefix"):
+    attn.attend(q, k, v, token_mask=mask, segment_ids=seg, prefix_ids=pre, impl="splash")

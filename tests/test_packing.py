@@ -115,3 +115,111 @@ def test_first_fit_decreasing_fills_the_gaps_next_fit_leaves():
     assert cover.max() == 1
     assert set(np.flatnonzero(cover) // width) == set(range(num_bins))
     assert num_bins <= _next_fit_bins(lengths, width)
+
+
+def test_pack_shared_places_one_prompt_copy_per_chunk():
+  r = _rollout(2)
+  layout = packing.pack_shared(r.prompt_ids, r.prompt_mask, r.tokens, r.context_mask, G, bins_per_block=2)
+  width = LP + T
+  seg, pre = np.asarray(layout.segment_ids).reshape(-1), np.asarray(layout.prefix_ids).reshape(-1)
+  tok, pos = np.asarray(layout.tokens).reshape(-1), np.asarray(layout.positions).reshape(-1)
+  n = P * G
+  copies = 0
+  for i in range(n):
+    plen, clen = int(r.prompt_mask[i].sum()), int(r.lengths[i])
+    at = np.flatnonzero(seg == i + 1)                                  # the completion, contiguous
+    assert len(at) == clen and np.all(np.diff(at) == 1) and at[0] == int(layout.first[i])
+    np.testing.assert_array_equal(tok[at], np.asarray(r.tokens[i])[:clen])
+    np.testing.assert_array_equal(pos[at], plen + np.arange(clen))
+    prompt = np.flatnonzero(seg == pre[at[0]])                          # the prompt copy it continues
+    assert len(prompt) == plen and prompt[-1] == int(layout.source[i]) and prompt[-1] < at[0]
+    assert prompt[0] // width == at[-1] // width                        # copy and completion share a bin
+    np.testing.assert_array_equal(tok[prompt], np.asarray(r.prompt_ids[i])[LP - plen:])
+    np.testing.assert_array_equal(pos[prompt], np.arange(plen))
+    copies += bool(layout.owns_prompt[i])
+  assert P <= copies < n                                                # at least one per group, fewer than rows
+  real = sum(int(r.prompt_mask[i].sum()) * bool(layout.owns_prompt[i]) + int(r.lengths[i]) for i in range(n))
+  assert int((seg > 0).sum()) == real
+
+
+@pytest.mark.parametrize("preset,pack_tokens", [("grpo", 0), ("grpo", 2 * (LP + T)), ("dr_grpo", 2 * (LP + T)),
+                                                ("gspo", 0)])
+def test_shared_prefix_update_equals_padded(preset, pack_tokens):
+  """The shared-prefix update (one prompt copy per chunk of a group's completions) against the padded
+  update that computes every row's prompt: loss, metrics, parameters, as test_packed_update_equals_padded."""
+  mc = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, attention="xla")
+  sp = SamplingParams(num_samples=G, max_new_tokens=T, temperature=1.0)
+  kw = {"kl_coef": 0.0} if preset == "grpo" else {}
+  loss_cfg = LossConfig.from_preset(preset, entropy_coef=0.01, **kw)
+  optim = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, min_lr_ratio=0.0, schedule="constant",
+                                         max_grad_norm=None, b1=0.9, b2=0.999, eps=1e-3, weight_decay=0.0))
+  optimizer, _ = make_optimizer(optim, 10)
+  state = TrainState.create(init_params(mc, jax.random.key(1)), optimizer, 0)
+  rollout = _rollout(3)
+  micro = 1 if pack_tokens else 2
+  base = StepSpec(model=mc, sampling=sp, loss=loss_cfg, prompts=P, micro_batches=micro)
+  shared = StepSpec(model=mc, sampling=sp, loss=loss_cfg, prompts=P, micro_batches=micro, pack_tokens=pack_tokens,
+                    shared_prefix=True)
+  (s0, m0), (s1, m1) = (jax.jit(make_update_fn(spec, optimizer))(state, rollout) for spec in (base, shared))
+  for key, value in m0.items():
+    assert float(m1[key]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), key
+  for a, b in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  if pack_tokens:   # fewer positions than packing every row with its own prompt
+    packed = jax.jit(make_update_fn(StepSpec(model=mc, sampling=sp, loss=loss_cfg, prompts=P, pack_tokens=pack_tokens),
+                                    optimizer))(state, rollout)[1]
+    assert m1["packed_tokens"] <= packed["packed_tokens"]
+
+
+@pytest.mark.parametrize("pack_tokens,shared", [(0, False), (2 * (LP + T), False), (2 * (LP + T), True)])
+def test_sampler_gap_is_read_from_the_updates_own_forward(pack_tokens, shared):
+  """One optimizer update per step: `sampler/logprob_gap_*` come from the update's forward (over every
+  trained row) and equal a separate forward's figures on the same parameters."""
+  from rljax.trainer.step import _gap_metrics, sequence_logprobs
+  mc = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, attention="xla")
+  sp = SamplingParams(num_samples=G, max_new_tokens=T, temperature=1.0)
+  optim = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, min_lr_ratio=0.0, schedule="constant",
+                                         max_grad_norm=None, b1=0.9, b2=0.999, eps=1e-3, weight_decay=0.0))
+  optimizer, _ = make_optimizer(optim, 10)
+  state = TrainState.create(init_params(mc, jax.random.key(1)), optimizer, 0)
+  rollout = _rollout(4)
+  spec = StepSpec(model=mc, sampling=sp, loss=LossConfig.from_preset("grpo", kl_coef=0.0), prompts=P, gap_rows=G,
+                  micro_batches=1 if pack_tokens else 2, pack_tokens=pack_tokens, shared_prefix=shared)
+  metrics = jax.jit(make_update_fn(spec, optimizer))(state, rollout)[1]
+  lp, _ = sequence_logprobs(spec, state.params, rollout.prompt_ids, rollout.prompt_mask, rollout.tokens,
+                            rollout.context_mask)
+  want = _gap_metrics(lp, rollout, P * G)
+  for key, value in want.items():
+    assert float(metrics[key]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), key
+  assert float(want["sampler/logprob_gap_mean"]) > 0.1      # the rollout's log-probs are not the model's
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_packed_reference_and_recomputed_old_logprobs_equal_padded(shared):
+  """With a reference model (KL) and lp_old recomputed (bf16 runs' default), the packed update computes
+  those forwards over its packed blocks too: loss, metrics (kl_ref among them) and parameters equal the
+  padded update's."""
+  mc = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, attention="xla")
+  sp = SamplingParams(num_samples=G, max_new_tokens=T, temperature=1.0)
+  loss_cfg = LossConfig.from_preset("grpo", kl_coef=0.1, entropy_coef=0.01)
+  optim = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, min_lr_ratio=0.0, schedule="constant",
+                                         max_grad_norm=None, b1=0.9, b2=0.999, eps=1e-3, weight_decay=0.0))
+  optimizer, _ = make_optimizer(optim, 10)
+  params = init_params(mc, jax.random.key(1))
+  ref = jax.tree.map(lambda p: p * 0.9, params)
+  state = TrainState.create(params, optimizer, 0, ref_params=ref)
+  rollout = _rollout(5)
+  outs = []
+  for pack_tokens in (0, 2 * (LP + T)):
+    spec = StepSpec(model=mc, sampling=sp, loss=loss_cfg, prompts=P, pack_tokens=pack_tokens,
+                    shared_prefix=shared and pack_tokens > 0, recompute_old_logprobs=True, gap_rows=G)
+    outs.append(jax.jit(make_update_fn(spec, optimizer))(state, rollout))
+  (s0, m0), (s1, m1) = outs
+  assert abs(float(m0["kl_ref"])) > 1e-4
+  for key, value in m0.items():
+    assert float(m1[key]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), key
+  for a, b in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

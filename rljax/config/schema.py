@@ -204,6 +204,11 @@ SCHEMA = Section(
         epochs=Field(1, "passes over each rollout batch"),
         micro_batches=Field(1, "gradient accumulation: splits each mini-batch (by whole groups)"),
         pack_tokens=Field(0, "> 0: packed update: blocks of this many real tokens (trainer/packing.py)"),
+        pack_width=Field(0, "with pack_tokens: the packed bins' width in tokens (0 = one row's, max_prompt_tokens "
+                         "+ max_new_tokens); wider bins fill better and, with shared_prefix, let one prompt copy "
+                         "serve more completions, at attention cost growing with the width"),
+        shared_prefix=Field(False, "the update computes each prompt once per chunk of its group's completions "
+                            "instead of once per completion (same loss; trainer/packing.py)"),
         seed=Field(0, "seed of the sampling keys, the LoRA adapters' initialisation and dropout"),
         dynamic_sampling=Field(False, "DAPO: drop zero-variance groups, refill from oversampled prompts"),
         oversample=Field(None, "with dynamic_sampling: prompts sampled = prompts_per_step * oversample (default 2); "

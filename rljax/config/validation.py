@@ -347,12 +347,26 @@ def _validate_packing(c: ml_collections.ConfigDict) -> None:
   t = c.train
   if not isinstance(t.pack_tokens, int) or t.pack_tokens < 0:
     raise ConfigError(f"config.train.pack_tokens={t.pack_tokens!r} must be an integer >= 0 (0 = no packing).")
+  if not isinstance(t.shared_prefix, bool):
+    raise ConfigError(f"config.train.shared_prefix={t.shared_prefix!r} must be True or False.")
+  if t.shared_prefix and c.model.attention == "splash":
+    raise ConfigError("config.train.shared_prefix=True with model.attention='splash': splash attention cannot "
+                      "attend to a shared prefix; set model.attention='auto' (chunked) or train.shared_prefix=False.")
   if not t.pack_tokens:
+    if t.pack_width:
+      raise ConfigError(f"config.train.pack_width={t.pack_width} needs train.pack_tokens (the packed update); "
+                        "set train.pack_tokens or leave pack_width=0.")
     return
   width = c.data.max_prompt_tokens + c.sampling.max_new_tokens
   if t.pack_tokens < width:
     raise ConfigError(f"config.train.pack_tokens={t.pack_tokens} is smaller than one row (data.max_prompt_tokens + "
                       f"sampling.max_new_tokens = {width}); set it to at least {width}, e.g. {4 * width}.")
+  if not isinstance(t.pack_width, int) or t.pack_width < 0:
+    raise ConfigError(f"config.train.pack_width={t.pack_width!r} must be an integer >= 0 (0 = one row's width).")
+  if t.pack_width and not width <= t.pack_width <= t.pack_tokens:
+    raise ConfigError(f"config.train.pack_width={t.pack_width} must be between one row ({width} tokens: "
+                      f"data.max_prompt_tokens + sampling.max_new_tokens) and train.pack_tokens={t.pack_tokens}; "
+                      "or 0 for one row's width.")
   if t.micro_batches != 1:
     raise ConfigError(f"config.train.micro_batches={t.micro_batches} with train.pack_tokens: packing decides the "
                       "micro-batches (blocks of pack_tokens real tokens); leave micro_batches=1.")

@@ -10,6 +10,10 @@ Which key a query sees is described by O(B * T) inputs, never by a [B, T, T] arr
 - `segment_ids` [B, T] int32 (None = one segment per row): packed rows, a token sees only keys
   of its own segment. Positions (RoPE) are applied before this module, so a packed segment
   restarts its positions where the caller says.
+- `prefix_ids` [B, T] int32 (with segment ids; None = none): a token also sees the keys of segment
+  `prefix_ids[t]`, e.g. the one copy of a prompt that several packed completions continue (the
+  shared-prefix learner, trainer/packing.py). `xla`, `chunked` and `cudnn` take it; `splash`
+  does not (its segments are equality only), and `auto` picks chunked or xla for it.
 
 A query whose `token_mask` is False returns zeros (and passes no gradient), in every backend.
 
@@ -49,16 +53,22 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _PAD_SEGMENT = int(np.iinfo(np.int32).min)   # splash: padding's own segment (never a real id)
 
 
-def resolve(impl: str, length: int, dtype=jnp.float32, packed: bool = False, masking: bool = False) -> str:
+def resolve(impl: str, length: int, dtype=jnp.float32, packed: bool = False, masking: bool = False,
+            prefixed: bool = False) -> str:
   """The concrete backend for `impl` on the target platform (`target_platform`) at `length` tokens.
 
   masking: soft-capping or a sliding window is needed (Gemma), which only xla and chunked do.
+  prefixed: tokens also see a shared prefix segment (`prefix_ids`), which splash does not do.
   """
   if impl not in IMPLEMENTATIONS:
     raise ConfigError(f"config.model.attention={impl!r} is not one of {IMPLEMENTATIONS}.")
+  if impl == "splash" and prefixed:
+    raise ConfigError("config.model.attention='splash' cannot attend to a shared prefix (its segments are "
+                      "equality only): set config.train.shared_prefix=False or config.model.attention to "
+                      "'auto', 'chunked' or 'xla'.")
   if impl != "auto":
     return impl
-  if masking:
+  if masking or prefixed:
     return "chunked" if length > AUTO_CHUNKED_MIN_TOKENS else "xla"
   backend = target_platform()
   if backend == "tpu":  # splash needs shard_map on several devices: only with the mesh in context
@@ -70,7 +80,7 @@ def resolve(impl: str, length: int, dtype=jnp.float32, packed: bool = False, mas
 
 def attend(q, k, v, *, token_mask=None, segment_ids=None, impl: str = "auto", block_q: int = DEFAULT_BLOCK,
            block_k: int = DEFAULT_BLOCK, interpret: bool | None = None, positions=None, window=None,
-           scale: float | None = None, softcap: float | None = None):
+           scale: float | None = None, softcap: float | None = None, prefix_ids=None):
   """Causal self-attention of T tokens. Returns [B, T, K, R, Dh] in q's dtype.
 
   q: [B, T, K, R, Dh]; k, v: [B, T, K, Dh]; token_mask: [B, T] bool (None = all real);
@@ -78,7 +88,8 @@ def attend(q, k, v, *, token_mask=None, segment_ids=None, impl: str = "auto", bl
   Python float; None, the default, divides them by sqrt(Dh)) and computed in float32; with `softcap`
   (a Python float) they become softcap * tanh(s / softcap) before masking. window: None, or an int32 scalar (may be
   traced: a layer's flag picks it) with positions [B, T] int32: a query sees only keys whose
-  position is > its own minus window. block_q / block_k: chunked's block sizes (splash uses
+  position is > its own minus window. prefix_ids: [B, T] int32 or None, the segment each token may
+  also see (module docstring; needs segment_ids). block_q / block_k: chunked's block sizes (splash uses
   block_q); T need not be a multiple of them. interpret: run splash in Pallas interpret mode
   (None = only where it must, which is an error off TPU: interpret mode is for tests).
   """
@@ -91,17 +102,20 @@ def attend(q, k, v, *, token_mask=None, segment_ids=None, impl: str = "auto", bl
     raise ValueError("attend: a sliding `window` needs the tokens' `positions` [B, T].")
   scale = None if scale is None else float(scale)
   masking = window is not None or softcap is not None
-  impl = resolve(impl, t, q.dtype, segment_ids is not None, masking)
+  if prefix_ids is not None and segment_ids is None:
+    raise ValueError("attend: prefix_ids name segments, so they need segment_ids.")
+  impl = resolve(impl, t, q.dtype, segment_ids is not None, masking, prefix_ids is not None)
   if impl == "xla":
-    return _xla(q, k, v, token_mask, segment_ids, positions, window, scale, softcap)
+    return _xla(q, k, v, token_mask, segment_ids, positions, window, scale, softcap, prefix_ids)
   if impl == "chunked":
-    return _chunked(q, k, v, token_mask, segment_ids, block_q, block_k, positions, window, scale, softcap)
+    return _chunked(q, k, v, token_mask, segment_ids, block_q, block_k, positions, window, scale, softcap,
+                    prefix_ids)
   if masking:
     raise ConfigError(f"config.model.attention={impl!r} implements neither attention soft-capping nor sliding "
                       "windows, which this model (Gemma) needs; set config.model.attention to 'auto', 'chunked' "
                       "or 'xla'.")
   if impl == "cudnn":
-    return _cudnn(q, k, v, token_mask, segment_ids, scale=scale)
+    return _cudnn(q, k, v, token_mask, segment_ids, scale=scale, prefix_ids=prefix_ids)
   return _splash(q, k, v, token_mask, segment_ids, block_q, interpret, scale)
 
 
@@ -122,12 +136,18 @@ def scale_scores(s, scale, dh):
   return s / math.sqrt(dh) if scale is None else s * scale
 
 
-def _xla(q, k, v, token_mask, segment_ids, positions=None, window=None, scale=None, softcap=None):
+def _segment_mask(q_seg, k_seg, q_prefix):
+  """[B, Tq, Tk] bool: a query sees a key of its own segment, or of its prefix segment (q_prefix, or None)."""
+  same = q_seg[:, :, None] == k_seg[:, None, :]
+  return same if q_prefix is None else same | (q_prefix[:, :, None] == k_seg[:, None, :])
+
+
+def _xla(q, k, v, token_mask, segment_ids, positions=None, window=None, scale=None, softcap=None, prefix_ids=None):
   """Full scores [B, K, R, T, T] in float32 and a [B, T, T] mask; memory grows with T^2."""
   t, dh = q.shape[1], q.shape[-1]
   mask = jnp.tril(jnp.ones((t, t), bool))[None] & token_mask[:, None, :]  # [B, T, S]
   if segment_ids is not None:
-    mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    mask = mask & _segment_mask(segment_ids, segment_ids, prefix_ids)
   if window is not None:
     mask = mask & ((positions[:, :, None] - positions[:, None, :]) < window)
   scores = jnp.einsum("btkrd,bskd->bkrts", q, k, preferred_element_type=jnp.float32)  # [B, K, R, T, S]
@@ -150,7 +170,7 @@ def _pad_axis(x, length: int, axis: int, value=0):
 
 
 def _chunked(q, k, v, token_mask, segment_ids, block_q, block_k, positions=None, window=None, scale=None,
-             softcap=None):
+             softcap=None, prefix_ids=None):
   """Pads T up to the blocks, runs `_flash` in the [B, K, T, R, Dh] layout, slices back."""
   b, t, kh, r, dh = q.shape
   bq, bk = min(block_q, t), min(block_k, t)
@@ -166,23 +186,25 @@ def _chunked(q, k, v, token_mask, segment_ids, block_q, block_k, positions=None,
   vt = _pad_axis(v.transpose(0, 2, 1, 3), tk, 2)
   q_valid, k_valid = _pad_axis(token_mask, tq, 1, False), _pad_axis(token_mask, tk, 1, False)
   q_seg, k_seg = _pad_axis(segment_ids, tq, 1), _pad_axis(segment_ids, tk, 1)
-  out = _flash(qt, kt, vt, (q_valid, k_valid, q_seg, k_seg, q_pos, k_pos, window), bq, bk, scale, softcap)
+  q_pre = None if prefix_ids is None else _pad_axis(prefix_ids, tq, 1)
+  out = _flash(qt, kt, vt, (q_valid, k_valid, q_seg, k_seg, q_pre, q_pos, k_pos, window), bq, bk, scale, softcap)
   return out[:, :, :t].transpose(0, 2, 1, 3, 4)
 
 
 def _block_mask(i, j, bq, bk, masks):
   """[B, 1, bq, 1, bk] bool: query block i may see key block j (causal, padding, segments, window).
 
-  masks: (q_valid, k_valid, q_seg, k_seg, q_pos, k_pos, window) as `_flash` takes them (the last
-  three None without a sliding window).
+  masks: (q_valid, k_valid, q_seg, k_seg, q_pre, q_pos, k_pos, window) as `_flash` takes them (q_pre
+  None without prefix segments, the last three None without a sliding window).
   """
-  q_valid, k_valid, q_seg, k_seg, q_pos, k_pos, window = masks
+  q_valid, k_valid, q_seg, k_seg, q_pre, q_pos, k_pos, window = masks
   qi = i * bq + jnp.arange(bq)
   kj = j * bk + jnp.arange(bk)
   q_rows = lambda x: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1)
   k_rows = lambda x: jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)
   qv, kv, qs, ks = q_rows(q_valid), k_rows(k_valid), q_rows(q_seg), k_rows(k_seg)
-  mask = (kj[None, :] <= qi[:, None])[None] & qv[:, :, None] & kv[:, None, :] & (qs[:, :, None] == ks[:, None, :])
+  qp = None if q_pre is None else q_rows(q_pre)
+  mask = (kj[None, :] <= qi[:, None])[None] & qv[:, :, None] & kv[:, None, :] & _segment_mask(qs, ks, qp)
   if window is not None:
     mask = mask & ((q_rows(q_pos)[:, :, None] - k_rows(k_pos)[:, None, :]) < window)
   return mask[:, None, :, None, :]
@@ -243,9 +265,9 @@ def _flash_forward(q, k, v, masks, bq, bk, scale, softcap):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _flash(q, k, v, masks, bq, bk, scale, softcap):
-  """q: [B, K, Tq, R, Dh]; k, v: [B, K, Tk, Dh]; masks: (q_valid, k_valid, q_seg, k_seg, q_pos,
-  k_pos, window): q_valid, q_seg, q_pos [B, Tq]; k_valid, k_seg, k_pos [B, Tk]; window [] int32
-  (q_pos, k_pos, window None without a sliding window).
+  """q: [B, K, Tq, R, Dh]; k, v: [B, K, Tk, Dh]; masks: (q_valid, k_valid, q_seg, k_seg, q_pre, q_pos,
+  k_pos, window): q_valid, q_seg, q_pre, q_pos [B, Tq]; k_valid, k_seg, k_pos [B, Tk]; window [] int32
+  (q_pre None without prefix segments; q_pos, k_pos, window None without a sliding window).
 
   Tq, Tk are multiples of bq, bk. scale, softcap: Python floats (softcap may be None).
   Returns [B, K, Tq, R, Dh].
@@ -309,7 +331,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # ---- cudnn ---------------------------------------------------------------------------------------
 
-def _cudnn(q, k, v, token_mask, segment_ids, implementation: str = "cudnn", scale=None):
+def _cudnn(q, k, v, token_mask, segment_ids, implementation: str = "cudnn", scale=None, prefix_ids=None):
   """cuDNN flash attention through `jax.nn.dot_product_attention`.
 
   cuDNN's padding is per-row lengths (padding on the right only), so each row's real tokens are
@@ -334,7 +356,8 @@ def _cudnn(q, k, v, token_mask, segment_ids, implementation: str = "cudnn", scal
   mask = None
   if segment_ids is not None:
     seg = jnp.take_along_axis(segment_ids, order, axis=1)
-    mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [B, 1, T, T]
+    pre = None if prefix_ids is None else jnp.take_along_axis(prefix_ids, order, axis=1)
+    mask = _segment_mask(seg, seg, pre)[:, None]  # [B, 1, T, T]
   out = jax.nn.dot_product_attention(
       take(q, order).reshape(b, t, kh * r, dh), take(k, order), take(v, order), mask=mask, is_causal=True,
       query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation=implementation, scale=scale)

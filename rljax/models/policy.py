@@ -80,17 +80,20 @@ def _forward(config, params, tokens, positions, mask):
 
 
 def apply_model(config: ModelConfig, params, tokens, positions, token_mask=None, cache: KVCache | None = None,
-                *, segment_ids=None, return_hidden: bool = False, dropout_rng=None, routes=None) -> ModelOutput:
+                *, segment_ids=None, prefix_ids=None, return_hidden: bool = False, dropout_rng=None,
+                routes=None) -> ModelOutput:
   """Functional forward used by the sampler and the learner (same code path): a `ModelOutput`
   (logits, or hidden states with `return_hidden`; the new cache; auxiliary losses; router statistics).
 
-  segment_ids: [B, T] int32 packed-row segments, without a cache only (see `Transformer.__call__`).
+  segment_ids, prefix_ids: [B, T] int32 packed-row segments and the shared-prefix segment each token
+  also sees, without a cache only (see `Transformer.__call__`).
   dropout_rng: a key for LoRA dropout (config.lora.dropout > 0), given by the learner's loss only.
   routes (mixture of experts): [B, T, L_moe, k] expert ids to replay (routing replay; `Transformer.__call__`).
   """
   rngs = None if dropout_rng is None else {"dropout": dropout_rng}
   return Transformer(config).apply({"params": params}, tokens, positions, token_mask, cache,
-                                   segment_ids=segment_ids, return_hidden=return_hidden, rngs=rngs,
+                                   segment_ids=segment_ids, prefix_ids=prefix_ids, return_hidden=return_hidden,
+                                   rngs=rngs,
                                    routes=routes)
 
 

@@ -117,8 +117,8 @@ class Attention(nn.Module):
 
     mask: with a cache, [B, T, S] bool, or (global, local) [B, T, S] bool pairs when the model has
     sliding layers; without, (token_mask [B, T] bool, segment_ids [B, T] int32 or None,
-    positions [B, T] int32), which `attend` turns into causal, padding, segment and window
-    masking block by block.
+    prefix_ids [B, T] int32 or None, positions [B, T] int32), which `attend` turns into causal,
+    padding, segment (and shared-prefix) and window masking block by block.
 
     prefix (with a cache only): a read-only cache shared by groups of B / P consecutive rows,
     attended before the row's own cache; with sliding layers its `window` holds each row's
@@ -152,12 +152,13 @@ class Attention(nn.Module):
     qg = q.reshape(b, t, k, h // k, dh)
     new_cache = None
     if cache is None:
-      token_mask, segment_ids, positions = mask
+      token_mask, segment_ids, prefix_ids, positions = mask
       window = None
       if sliding is not None:   # the global layers' window is larger than any distance
         window = jnp.where(sliding, jnp.int32(c.sliding_window), jnp.iinfo(jnp.int32).max)
-      out = attend(qg, key, val, token_mask=token_mask, segment_ids=segment_ids, impl=c.attention,
-                   positions=positions, window=window, scale=c.attention_scale, softcap=c.attn_logit_softcap)
+      out = attend(qg, key, val, token_mask=token_mask, segment_ids=segment_ids, prefix_ids=prefix_ids,
+                   impl=c.attention, positions=positions, window=window, scale=c.attention_scale,
+                   softcap=c.attn_logit_softcap)
     else:
       new_cache = cache.write(key, val, index)
       prefix_rows = None
@@ -305,11 +306,13 @@ class Transformer(nn.Module):
     return kernel.astype(self.config.compute_dtype)
 
   def __call__(self, tokens, positions, token_mask=None, cache: KVCache | None = None, *, segment_ids=None,
-               return_hidden=False, routes=None):
+               prefix_ids=None, return_hidden=False, routes=None):
     """tokens, positions: [B, T] int32; token_mask: [B, T] bool (default all valid).
 
     segment_ids (without a cache only): [B, T] int32, packed rows whose tokens attend only within
     their segment (default None: one segment per row); give each segment its own positions.
+    prefix_ids (with segment_ids): [B, T] int32, a segment each token also sees (a shared prompt
+    that packed completions continue; rljax.models.attention), or None.
 
     routes (mixture-of-experts models): None, or [B, T, L_moe, k] expert ids to replay in the
     L_moe routed layers (routing replay; ids >= E: the layer routes that token itself).
@@ -329,11 +332,11 @@ class Transformer(nn.Module):
     rope = layer_rope(positions, c)
 
     if cache is None:
-      mask = (token_mask, segment_ids, positions)  # O(B * T): no [B, T, T] mask (rljax.models.attention)
+      mask = (token_mask, segment_ids, prefix_ids, positions)  # O(B * T): no [B, T, T] mask (models.attention)
       layer_caches, index = None, jnp.zeros((), jnp.int32)
     else:
-      if segment_ids is not None:
-        raise ValueError("segment_ids are for the forward without a cache (packed training rows).")
+      if segment_ids is not None or prefix_ids is not None:
+        raise ValueError("segment_ids and prefix_ids are for the forward without a cache (packed training rows).")
       s = cache.kv_mask.shape[1]
       index = cache.index
       kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.kv_mask, token_mask, index, axis=1)

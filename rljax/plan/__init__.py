@@ -143,7 +143,7 @@ def step_time(run: Run, topo: Topology, mesh_shape: dict[str, int], full, layout
   out = timing.estimate(
       model=run.model, rates=rates, chips=chips, prompts=run.prompts, group=run.group, prompt_len=run.prompt_len,
       max_new=run.completion_len, completion=completion, decode_rows=decode_slots(spec.sampling, run.rows),
-      packed=run.config.train.pack_tokens > 0, epochs=spec.epochs,
+      packed=run.config.train.pack_tokens > 0, shared_prefix=bool(run.config.train.shared_prefix), epochs=spec.epochs,
       extra_forwards=int(run.needs_reference) + int(spec.recompute_old_logprobs),
       sampler_weights_bytes=layout.bytes_per_chip, kv_bytes=kv, state_bytes=state, remat=run.model.remat,
       decode_collective_bytes=coll("sampler", "per_decode_token"),

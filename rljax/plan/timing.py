@@ -93,14 +93,18 @@ def _phase(flop: float, bytes_: float, coll: float, rates: ChipRates) -> dict:
 def estimate(*, model, rates: ChipRates, chips: int, prompts: int, group: int, prompt_len: int, max_new: int,
              completion: float, decode_rows: int, packed: bool, epochs: int, extra_forwards: int,
              sampler_weights_bytes: float, kv_bytes: float, state_bytes: float, remat: bool,
-             decode_collective_bytes: float = 0.0, update_collective_bytes: float = 0.0, updates: int = 1) -> dict:
+             decode_collective_bytes: float = 0.0, update_collective_bytes: float = 0.0, updates: int = 1,
+             shared_prefix: bool = False) -> dict:
   """Seconds per phase and per step, per chip (every chip does 1/chips of the work).
 
   model: a ModelConfig; prompts x group rows, prompts of prompt_len tokens (padded: the device
   computes them), completions of `completion` tokens on average out of max_new; decode_rows: the
   sampler's decode slots; packed: the update computes real positions (train.pack_tokens) rather
-  than every row to max_new; *_bytes: per chip (the plan's figures: sampler weights as the decode
-  layout holds them, KV cache, learner train state, collectives per decode token and per update).
+  than every row to max_new, its reference and old-log-prob forwards too; shared_prefix: the update
+  computes each prompt once per group rather than once per row (train.shared_prefix; one prompt copy
+  per group assumed, the fewest the packer makes; unpacked, the extra forwards stay per row);
+  *_bytes: per chip (the plan's figures: sampler weights as the decode layout holds them, KV cache,
+  learner train state, collectives per decode token and per update).
   """
   rows = prompts * group
   ctx = prompt_len + completion / 2
@@ -111,9 +115,10 @@ def estimate(*, model, rates: ChipRates, chips: int, prompts: int, group: int, p
   steps = math.ceil(rows * completion / decode_rows) if decode_rows < rows else math.ceil(completion)
   seq = prompt_len + (completion if packed else max_new)
   tokens = rows * seq
-  model_update = (epochs * flops.train_flops(model, tokens, seq / 2)
-                  + extra_forwards * flops.forward_flops(model, tokens, seq / 2))
-  recompute = epochs * flops.forward_flops(model, tokens, seq / 2) if remat else 0.0
+  trained = prompts * prompt_len + rows * (seq - prompt_len) if shared_prefix else tokens
+  model_update = (epochs * flops.train_flops(model, trained, seq / 2)
+                  + extra_forwards * flops.forward_flops(model, trained if packed else tokens, seq / 2))
+  recompute = epochs * flops.forward_flops(model, trained, seq / 2) if remat else 0.0
   update = _phase((model_update + recompute) / chips, 2 * state_bytes * updates,
                   update_collective_bytes * updates, rates)
   sample_s = prefill["s"] + steps * token["s"]
@@ -124,7 +129,7 @@ def estimate(*, model, rates: ChipRates, chips: int, prompts: int, group: int, p
   return {
       "rates": dataclasses.asdict(rates),
       "completion_tokens": completion, "decode_steps": steps, "decode_rows": decode_rows,
-      "update_positions": tokens,
+      "update_positions": trained,
       "prefill": prefill, "decode_token": token, "decode_s": steps * token["s"], "sample_s": sample_s,
       "update": update, "step_s": step_s,
       "tokens_per_s_per_chip": rows * completion / step_s / chips,

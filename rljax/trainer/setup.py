@@ -293,7 +293,8 @@ def build(config: ml_collections.ConfigDict, model: ModelConfig, tokenizer: Toke
                   eos_ids=sp.stop_token_ids, oversample=config_lib.dynamic_oversample(config),
                   recompute_old_logprobs=recompute,
                   gap_rows=0 if t.objective != "rl" else _gap_rows(config, recompute, sp.num_samples),
-                  pack_tokens=t.pack_tokens, objective=t.objective, min_reward=float(config.rft.min_reward),
+                  pack_tokens=t.pack_tokens, shared_prefix=bool(t.shared_prefix),
+                  pack_width=t.pack_width, objective=t.objective, min_reward=float(config.rft.min_reward),
                   teacher=teacher if t.objective == "distill" else None,
                   reward_weight=float(config.distill.reward_weight))
   total_updates = max(t.steps * t.mini_batches * t.epochs, 1)
@@ -304,7 +305,8 @@ def build(config: ml_collections.ConfigDict, model: ModelConfig, tokenizer: Toke
 
 def _gap_rows(config, recompute: bool, group: int) -> int:
   """Rows (one group) whose learner log-probs are compared with the sampler's (`sampler/logprob_gap_*`):
-  a forward of its own when lp_old is the sampler's; free when an on-policy run recomputes lp_old
+  a forward of its own when lp_old is the sampler's (or, with one optimizer update per step, the
+  update's own forward over every row: `make_update_fn`); free when an on-policy run recomputes lp_old
   (bf16), which is then the learner's forward on the sampler's parameters; none off-policy."""
   if not recompute:
     return group

@@ -20,6 +20,7 @@ device's shard of the rows and no device sits idle while another computes its pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.struct
@@ -60,6 +61,8 @@ class StepSpec:
   logprob_chunk: int = 8192
   gap_rows: int = 0                 # rows whose learner log-probs are compared with the sampler's (0: none)
   pack_tokens: int = 0              # > 0: packed update, blocks of this many tokens (trainer/packing.py)
+  shared_prefix: bool = False       # each prompt computed once per chunk of its group (trainer/packing.py)
+  pack_width: int = 0               # packed bins' width in tokens (0: one row's, Lp + T)
   objective: str = "rl"             # config.train.objective (rljax/objectives): rl | sft | rft | distill
   min_reward: float = 0.0           # rft: rows with reward >= min_reward are trained on
   teacher: ModelConfig | None = None   # distill: the teacher's model config (its params: TrainState.teacher)
@@ -226,24 +229,37 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
 
   lora_dropout = spec.model.lora is not None and spec.model.lora.dropout > 0
 
-  def logprobs(params, b, dropout_rng=None):
-    return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask, dropout_rng,
-                             b.routes)
+  def logprobs(params, b):
+    """[N, T] log-probs and entropies of the rows of `b` (no gradient is taken of them): over the
+    packed layout's blocks when the update packs, else over padded rows."""
+    if spec.pack_tokens:
+      return packed_logprobs(params, b)
+    return sequence_logprobs(spec, params, b.prompt_ids, b.prompt_mask, b.tokens, b.context_mask, None, b.routes)
 
-  def objective_loss(lp, ent, b: TrainBatch, mask, den):
+  # The update's own forward is the learner on the sampler's parameters when the step makes one optimizer
+  # update without dropout: the sampler-vs-learner gap is then read from it, over every trained row, instead
+  # of from a forward of its own (`_logprob_gap`).
+  gap_in_loss = (spec.gap_rows > 0 and not spec.recompute_old_logprobs and updates_per_step == 1
+                 and not lora_dropout and not spec.cross_entropy)
+
+  def objective_loss(lp, ent, b: TrainBatch, mask, den, gap_tokens=None):
     """The loss of config.train.objective on these rows: cross-entropy of the target tokens (sft, rft), or
-    the policy loss (rl; distill, whose advantages are per token)."""
+    the policy loss (rl; distill, whose advantages are per token). gap_tokens: [] the update's mask count,
+    with `gap_in_loss` (the gap metrics' denominator)."""
     if spec.cross_entropy:
       return ce_loss(lp, mask, den, cfg, entropy=ent)
-    return policy_loss(lp, b.lp_old, b.adv, mask, den, cfg, lp_ref=b.lp_ref, lp_samp=b.lp_samp, entropy=ent,
-                       truncated=b.truncated)
+    loss, metrics = policy_loss(lp, b.lp_old, b.adv, mask, den, cfg, lp_ref=b.lp_ref, lp_samp=b.lp_samp,
+                                entropy=ent, truncated=b.truncated)
+    if gap_in_loss:
+      metrics = _add_gap_metrics(metrics, lp, b.lp_samp, mask, gap_tokens)
+    return loss, metrics
 
-  def loss_fn(trainable, frozen, mb: TrainBatch, den, key, total_tokens):
+  def loss_fn(trainable, frozen, mb: TrainBatch, den, key, total_tokens, gap_tokens):
     # Under LoRA `trainable` is the adapters and the gradient is theirs alone; `frozen` is None otherwise.
     params = trainable if frozen is None else lora.join(frozen, trainable)
     lp, ent, out = sequence_forward(spec, params, mb.prompt_ids, mb.prompt_mask, mb.tokens, mb.context_mask,
                                     key if lora_dropout else None, mb.routes)
-    loss, metrics = objective_loss(lp, ent, mb, mb.mask, den)
+    loss, metrics = objective_loss(lp, ent, mb, mb.mask, den, gap_tokens)
     share = _real_tokens(mb.prompt_mask, mb.context_mask) / total_tokens
     return add_aux_losses(loss, add_router_metrics(metrics, out.router, share), out.aux_losses, share)
 
@@ -258,7 +274,8 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     def body(carry, xs):
       loss_acc, grads_acc = carry
       mb, i = xs
-      (loss, metrics), grads = grad_fn(params, frozen, mb, den, jax.random.fold_in(key, i), total_tokens)
+      (loss, metrics), grads = grad_fn(params, frozen, mb, den, jax.random.fold_in(key, i), total_tokens,
+                                       _count(batch.mask))
       return (loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads)), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -266,31 +283,72 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
                                           (micro, jnp.arange(spec.micro_batches)))
     return loss, grads, metrics.reduce_stacked(over="micro_batches")
 
-  def accumulate_packed(params, frozen, batch: TrainBatch, key):
-    """`accumulate` over packed blocks of real tokens (trainer/packing.py): as many blocks as the
-    rows' real tokens fill, each R bins of W = Lp + T tokens. Same loss, grads and metrics."""
-    den = make_denominators(batch.mask, g, cfg, truncated=batch.truncated)
-    total_tokens = _real_tokens(batch.prompt_mask, batch.context_mask)
-    width = batch.prompt_ids.shape[1] + batch.tokens.shape[1]
+  def layout_of(batch: TrainBatch) -> tuple[packing.PackLayout, int]:
+    """The update's packed layout and its bins per block (trainer/packing.py)."""
+    args = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.context_mask)
+    if not spec.pack_tokens:   # shared prefix, unpacked: a bin per group, a block per micro-batch
+      groups = batch.tokens.shape[0] // g
+      return packing.pack_shared(*args, g, groups // spec.micro_batches, fit=False), groups // spec.micro_batches
+    width = spec.pack_width or batch.prompt_ids.shape[1] + batch.tokens.shape[1]
     bins = max(1, spec.pack_tokens // width)
-    layout = packing.pack(batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.context_mask, bins)
+    if spec.shared_prefix:
+      return packing.pack_shared(*args, g, bins, width=width), bins
+    return packing.pack(*args, bins, width=width), bins
+
+  logprobs_of = functools.partial(chunked_logprobs, temperature=spec.temperature, chunk_size=spec.logprob_chunk,
+                                  softcap=spec.model.final_logit_softcap)
+
+  def block_forward(params, b, layout: packing.PackLayout, bins: int, routes, k, dropout_rng=None):
+    """Block k of `layout`: (lp, ent) [N, T] in row layout (0 on rows outside block k), the forward's
+    ModelOutput and the block's segment ids [R, W]. routes: the packed experts to replay, or None."""
+    tok, seg, pre, pos = (None if x is None else shd.constrain(x, ("batch", "length"))
+                          for x in layout.block_inputs(k, bins))
+    out = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, prefix_ids=pre, return_hidden=True,
+                      dropout_rng=dropout_rng, routes=None if routes is None else packing.block_values(routes, k, bins))
+    kernel = output_kernel(spec.model, params)
+    lp, ent = logprobs_of(out.hidden[:, :-1], kernel, tok[:, 1:])
+    firsts = (None, None)
+    if layout.shared:   # a prompt copy's last position predicts each of its completions' first tokens
+      lp0, ent0 = logprobs_of(packing.gather_sources(out.hidden, layout, k, bins)[:, None], kernel, b.tokens[:, :1])
+      firsts = (lp0[:, 0], ent0[:, 0])
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)))
+    t = b.tokens.shape[1]
+    lp, ent = (packing.gather_completion(pad(x), layout, k, bins, t, first) for x, first in zip((lp, ent), firsts))
+    return lp, ent, out, seg
+
+  def packed_routes(b, layout):
+    return None if b.routes is None else packing.pack_values(
+        layout, b.prompt_mask, b.context_mask, b.routes, spec.model.moe.num_experts)
+
+  def packed_logprobs(params, b):
+    """`logprobs` over the packed layout's blocks (forward only): each row is in one block."""
+    layout, bins = layout_of(b)
+    routes = packed_routes(b, layout)
+
+    def body(k, acc):
+      lp, ent, _, _ = block_forward(params, b, layout, bins, routes, k)
+      return acc[0] + lp, acc[1] + ent
+
+    zeros = jnp.zeros(b.tokens.shape, jnp.float32)
+    return jax.lax.fori_loop(0, layout.num_blocks, body, (zeros, zeros))
+
+  def accumulate_packed(params, frozen, batch: TrainBatch, key):
+    """`accumulate` over blocks of a packed layout (trainer/packing.py): as many blocks as the rows'
+    real tokens fill (R bins of W each), or the micro-batches of a shared-prefix layout. Same loss,
+    grads and metrics."""
+    den = make_denominators(batch.mask, g, cfg, truncated=batch.truncated)
+    layout, bins = layout_of(batch)
+    width = layout.tokens.shape[1]
+    total_tokens = jnp.sum(layout.segment_ids > 0).astype(jnp.float32)
     t = batch.tokens.shape[1]
-    routes = None if batch.routes is None else packing.pack_values(
-        layout, batch.prompt_mask, batch.context_mask, batch.routes, spec.model.moe.num_experts)
+    routes = packed_routes(batch, layout)
 
     def block_loss(trainable, k):
       params = trainable if frozen is None else lora.join(frozen, trainable)
-      tok, seg, pos = (shd.constrain(x, ("batch", "length")) for x in packing.block_inputs(layout, k, bins))
-      out = apply_model(spec.model, params, tok, pos, seg > 0, segment_ids=seg, return_hidden=True,
-                        dropout_rng=jax.random.fold_in(key, k) if lora_dropout else None,
-                        routes=None if routes is None else packing.block_values(routes, k, bins))
-      lp, ent = chunked_logprobs(out.hidden[:, :-1], output_kernel(spec.model, params), tok[:, 1:],
-                                 temperature=spec.temperature, chunk_size=spec.logprob_chunk,
-                                 softcap=spec.model.final_logit_softcap)
-      pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)))
-      lp, ent = (packing.gather_completion(pad(x), layout, k, bins, t) for x in (lp, ent))
+      lp, ent, out, seg = block_forward(params, batch, layout, bins, routes, k,
+                                        jax.random.fold_in(key, k) if lora_dropout else None)
       mask = batch.mask & (layout.block == k)[:, None]
-      loss, metrics = objective_loss(lp, ent, batch, mask, den)
+      loss, metrics = objective_loss(lp, ent, batch, mask, den, _count(batch.mask))
       share = jnp.sum(seg > 0).astype(jnp.float32) / total_tokens
       return add_aux_losses(loss, add_router_metrics(metrics, out.router, share), out.aux_losses, share)
 
@@ -310,13 +368,14 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
     metrics = metrics.with_values(
         response_length_max=lengths.max(), response_length_min=lengths.min(),
         truncation_rate=batch.truncated.astype(jnp.float32).mean(), packed_blocks=layout.num_blocks.astype(jnp.float32),
-        packed_tokens=(layout.num_blocks * bins * width).astype(jnp.float32),
-        padded_tokens=jnp.asarray(lengths.shape[0] * width, jnp.float32))
+        packed_tokens=(layout.num_blocks * bins * width).astype(jnp.float32), packed_real_tokens=total_tokens,
+        padded_tokens=jnp.asarray(lengths.shape[0] * (batch.prompt_ids.shape[1] + t), jnp.float32))
     return loss, grads, metrics
 
   def optimizer_update(state: TrainState, mb: TrainBatch, index):
     key = jax.random.fold_in(dropout_key(state.rng, state.step), index)   # LoRA dropout only
-    loss, grads, metrics = (accumulate_packed if spec.pack_tokens else accumulate)(state.params, state.frozen, mb, key)
+    blocks = spec.pack_tokens or spec.shared_prefix
+    loss, grads, metrics = (accumulate_packed if blocks else accumulate)(state.params, state.frozen, mb, key)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skipped = skip_counts(opt_state)
@@ -374,7 +433,7 @@ def make_update_fn(spec: StepSpec, optimizer: optax.GradientTransformation,
       # The sampler ran the same model code on the same parameters: its log-probs are lp_old
       # (exact in fp32; `sampler/logprob_gap_*` measures how far that holds in this dtype).
       lp_old = rollout.logprobs
-      if spec.gap_rows:
+      if spec.gap_rows and not gap_in_loss:
         metrics.update(_logprob_gap(logprobs, state.model_params(), rollout, spec.gap_rows))
     adv = adv.reshape(-1)
     if spec.objective == "distill":
@@ -441,6 +500,23 @@ def _advantage_metric_name(name: str) -> str:
 def _masked_mean(x, mask):
   mask = mask.astype(jnp.float32)
   return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def _count(mask) -> jax.Array:
+  """[] float32: the true entries of `mask`, at least 1 (a denominator)."""
+  return jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
+
+
+def _add_gap_metrics(metrics: Metrics, lp, lp_samp, mask, tokens) -> Metrics:
+  """`sampler/logprob_gap_*` (as `_gap_metrics`) of these rows of the update's own forward, as parts that
+  sum (mean, fraction) or take the max over the update's micro-batches or blocks; tokens: [] the
+  update's mask count."""
+  diff = jnp.abs(jax.lax.stop_gradient(lp) - lp_samp)
+  out = metrics.with_values()
+  out.add("sampler/logprob_gap_mean", jnp.sum(jnp.where(mask, diff, 0.0)) / tokens)
+  out.add("sampler/logprob_gap_max", jnp.max(jnp.where(mask, diff, 0.0)), "max")
+  out.add("sampler/logprob_gap_frac_1pct", jnp.sum(mask & (diff > jnp.log(1.01))) / tokens)
+  return out
 
 
 def _logprob_gap(logprobs, params, rollout: Rollout, rows: int) -> dict[str, jax.Array]:
