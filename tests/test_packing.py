@@ -223,3 +223,25 @@ def test_packed_reference_and_recomputed_old_logprobs_equal_padded(shared):
     assert float(m1[key]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), key
   for a, b in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_packing_fields_are_validated_by_name():
+  from rljax.config import base_config, validate
+  from rljax.errors import ConfigError
+  row = None
+  for overrides, needle in [({"pack_width": 64}, r"config\.train\.pack_width=64 needs train\.pack_tokens"),
+                            ({"pack_tokens": 4096, "pack_width": 8}, r"config\.train\.pack_width=8 must be between"),
+                            ({"pack_tokens": 4096, "pack_width": 8192}, r"config\.train\.pack_width=8192 must be")]:
+    c = base_config()
+    row = c.data.max_prompt_tokens + c.sampling.max_new_tokens
+    c.train.update(overrides)
+    with pytest.raises(ConfigError, match=needle):
+      validate(c)
+  c = base_config()
+  c.train.update(shared_prefix=True)
+  c.model.attention = "splash"
+  with pytest.raises(ConfigError, match=r"config\.train\.shared_prefix=True with model\.attention='splash'"):
+    validate(c)
+  c = base_config()
+  c.train.update(pack_tokens=4 * row, pack_width=2 * row, shared_prefix=True)
+  validate(c)
