@@ -26,6 +26,7 @@ from rljax import compile_stats  # noqa: E402
 from rljax.configs import default as default_recipe  # noqa: E402
 from rljax.data import build_dataset  # noqa: E402
 from rljax.rewards import RewardPool, RewardSpec  # noqa: E402
+from rljax.rewards.routing import source_verifiers_from_data  # noqa: E402
 from rljax.trainer import evaluate  # noqa: E402
 from rljax.trainer.loop import sampling_params  # noqa: E402
 
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
   cfg = default_recipe.get_config()
   policy = rljax.load_pretrained(cfg.model.path)
   dataset = build_dataset(cfg.data.to_dict(), split="test")
-  spec = RewardSpec.from_dict(cfg.rewards.to_dict())
+  spec = RewardSpec.from_dict(cfg.rewards.to_dict(), source_verifiers=source_verifiers_from_data(cfg.data))
   outputs = {}
   with RewardPool(spec) as pool:
     for label, size in (("before", args.before_prompts), ("now", args.batch_prompts)):
