@@ -35,6 +35,21 @@ def _rollout(seed=0):
                                  rng.uniform(0, 1, n).astype(np.float32), np.zeros((n, 1), np.float32))
 
 
+def _tiny_update_setup(ref_scale: float | None = None):
+  """A tiny model (xla attention), G x T sampling, and one Adam state for the update-equality tests.
+  Adam's eps is 1e-3 (see test_packed_update_equals_padded); ref_scale: a reference model of the
+  parameters times it (KL), or none."""
+  mc = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, attention="xla")
+  sp = SamplingParams(num_samples=G, max_new_tokens=T, temperature=1.0)
+  optim = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, min_lr_ratio=0.0, schedule="constant",
+                                         max_grad_norm=None, b1=0.9, b2=0.999, eps=1e-3, weight_decay=0.0))
+  optimizer, _ = make_optimizer(optim, 10)
+  params = init_params(mc, jax.random.key(1))
+  ref = None if ref_scale is None else jax.tree.map(lambda p: p * ref_scale, params)
+  return mc, sp, optimizer, TrainState.create(params, optimizer, 0, ref_params=ref)
+
+
 def test_pack_places_whole_sequences_with_their_positions():
   r = _rollout()
   layout = packing.pack(r.prompt_ids, r.prompt_mask, r.tokens, r.context_mask, bins_per_block=2)
@@ -63,15 +78,9 @@ def test_packed_update_equals_padded(preset):
   most lr / eps = 1, so parameters differ by at most the gradients' reordering noise (~1e-9 here),
   asserted 1e-6. (With eps = 1e-8 an element whose gradient is ~1e-8 turns that noise into an
   update difference of up to lr: not a property of packing.)"""
-  mc = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=8, attention="xla")
-  sp = SamplingParams(num_samples=G, max_new_tokens=T, temperature=1.0)
   kw = {"kl_coef": 0.0} if preset == "grpo" else {}
   loss_cfg = LossConfig.from_preset(preset, entropy_coef=0.01, **kw)
-  optim = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, min_lr_ratio=0.0, schedule="constant",
-                                         max_grad_norm=None, b1=0.9, b2=0.999, eps=1e-3, weight_decay=0.0))
-  optimizer, _ = make_optimizer(optim, 10)
-  state = TrainState.create(init_params(mc, jax.random.key(1)), optimizer, 0)
+  mc, sp, optimizer, state = _tiny_update_setup()
   rollout = _rollout(1)
   outs = []
   for pack_tokens in (0, 2 * (LP + T)):
@@ -147,15 +156,9 @@ def test_pack_shared_places_one_prompt_copy_per_chunk():
 def test_shared_prefix_update_equals_padded(preset, pack_tokens):
   """The shared-prefix update (one prompt copy per chunk of a group's completions) against the padded
   update that computes every row's prompt: loss, metrics, parameters, as test_packed_update_equals_padded."""
-  mc = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=8, attention="xla")
-  sp = SamplingParams(num_samples=G, max_new_tokens=T, temperature=1.0)
   kw = {"kl_coef": 0.0} if preset == "grpo" else {}
   loss_cfg = LossConfig.from_preset(preset, entropy_coef=0.01, **kw)
-  optim = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, min_lr_ratio=0.0, schedule="constant",
-                                         max_grad_norm=None, b1=0.9, b2=0.999, eps=1e-3, weight_decay=0.0))
-  optimizer, _ = make_optimizer(optim, 10)
-  state = TrainState.create(init_params(mc, jax.random.key(1)), optimizer, 0)
+  mc, sp, optimizer, state = _tiny_update_setup()
   rollout = _rollout(3)
   micro = 1 if pack_tokens else 2
   base = StepSpec(model=mc, sampling=sp, loss=loss_cfg, prompts=P, micro_batches=micro)
@@ -177,13 +180,7 @@ def test_sampler_gap_is_read_from_the_updates_own_forward(pack_tokens, shared):
   """One optimizer update per step: `sampler/logprob_gap_*` come from the update's forward (over every
   trained row) and equal a separate forward's figures on the same parameters."""
   from rljax.trainer.step import _gap_metrics, sequence_logprobs
-  mc = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=8, attention="xla")
-  sp = SamplingParams(num_samples=G, max_new_tokens=T, temperature=1.0)
-  optim = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, min_lr_ratio=0.0, schedule="constant",
-                                         max_grad_norm=None, b1=0.9, b2=0.999, eps=1e-3, weight_decay=0.0))
-  optimizer, _ = make_optimizer(optim, 10)
-  state = TrainState.create(init_params(mc, jax.random.key(1)), optimizer, 0)
+  mc, sp, optimizer, state = _tiny_update_setup()
   rollout = _rollout(4)
   spec = StepSpec(model=mc, sampling=sp, loss=LossConfig.from_preset("grpo", kl_coef=0.0), prompts=P, gap_rows=G,
                   micro_batches=1 if pack_tokens else 2, pack_tokens=pack_tokens, shared_prefix=shared)
@@ -201,16 +198,8 @@ def test_packed_reference_and_recomputed_old_logprobs_equal_padded(shared):
   """With a reference model (KL) and lp_old recomputed (bf16 runs' default), the packed update computes
   those forwards over its packed blocks too: loss, metrics (kl_ref among them) and parameters equal the
   padded update's."""
-  mc = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=8, attention="xla")
-  sp = SamplingParams(num_samples=G, max_new_tokens=T, temperature=1.0)
   loss_cfg = LossConfig.from_preset("grpo", kl_coef=0.1, entropy_coef=0.01)
-  optim = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, min_lr_ratio=0.0, schedule="constant",
-                                         max_grad_norm=None, b1=0.9, b2=0.999, eps=1e-3, weight_decay=0.0))
-  optimizer, _ = make_optimizer(optim, 10)
-  params = init_params(mc, jax.random.key(1))
-  ref = jax.tree.map(lambda p: p * 0.9, params)
-  state = TrainState.create(params, optimizer, 0, ref_params=ref)
+  mc, sp, optimizer, state = _tiny_update_setup(ref_scale=0.9)
   rollout = _rollout(5)
   outs = []
   for pack_tokens in (0, 2 * (LP + T)):
