@@ -68,9 +68,11 @@ def resolve(impl: str, length: int, dtype=jnp.float32, packed: bool = False, mas
                       "'auto', 'chunked' or 'xla'.")
   if impl != "auto":
     return impl
+  backend = target_platform()
+  if prefixed and backend in ("tpu", "gpu"):   # in place of splash / cuDNN: flash-style, no [T, T] scores
+    return "chunked"
   if masking or prefixed:
     return "chunked" if length > AUTO_CHUNKED_MIN_TOKENS else "xla"
-  backend = target_platform()
   if backend == "tpu":  # splash needs shard_map on several devices: only with the mesh in context
     return "splash" if jax.device_count() == 1 or _context_mesh() is not None else "chunked"
   if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not packed:
