@@ -24,7 +24,7 @@ def pool():
   spec = RewardSpec.from_dict({"components": [
       {"name": "correct", "verifier": "arithmetic", "weight": 1.0},
       {"name": "overlong", "verifier": "overlong", "kwargs": {"max_len": 12, "buffer": 4}},
-  ], "num_workers": 2, "timeout_s": 5.0})
+  ], "num_workers": 2, "timeout_s": 60.0})   # generous: a loaded machine must not time rows out
   with RewardPool(spec) as p:
     yield p
 

@@ -126,6 +126,7 @@ def test_sharded_step_matches_single_device(tmp_path):
   one, p_one = _run_steps(smoke(tmp_path / "a", "mesh.shape=(8, 1, 1)", *opt), 2)
   eight, p_eight = _run_steps(smoke(tmp_path / "b", "mesh.shape=(2, 2, 2)", *opt), 2)
   for a, b in zip(one, eight):
+    assert a["verifier/failures"] == b["verifier/failures"] == 0   # else rewards hold fallbacks
     assert a["sampler/tokens"] == b["sampler/tokens"]
     assert a["reward/mean"] == b["reward/mean"]
     assert b["loss"] == pytest.approx(a["loss"], rel=rho, abs=1e-6)

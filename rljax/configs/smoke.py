@@ -29,6 +29,9 @@ def get_config():
   c.rl.kl_coef = 0.0
   c.rewards.components = [dict(name="vowels", verifier="rljax.configs.smoke:vowel_fraction", weight=1.0)]
   c.rewards.num_workers = 1
+  # The vowel count takes microseconds; the default 5 s per call could still trip on a loaded
+  # machine (a fresh worker waiting for a core), and a timed-out row scores the fallback 0.
+  c.rewards.timeout_s = 60.0
   c.optim.learning_rate = 1e-1          # a tiny random model needs a large step
   c.train.steps = 20
   c.train.prompts_per_step = 8
