@@ -341,3 +341,22 @@ def allgather_objects(obj: Any) -> list[Any]:
   padded[:blob.size] = blob
   gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
   return [json.loads(row[:size].tobytes().decode()) for row, size in zip(gathered, sizes)]
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+  """The rows of a row-split array that this process's devices hold, in global row order (the
+  whole array in a one-process run): the process-local data of `rows_from_processes`."""
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  blocks: dict[int, np.ndarray] = {}
+  for shard in x.addressable_shards:
+    start = (shard.index[0].start or 0) if shard.index else 0
+    blocks.setdefault(start, np.asarray(shard.data))   # replicas of a block hold the same rows
+  return np.concatenate([blocks[k] for k in sorted(blocks)])
+
+
+def rows_from_processes(local: np.ndarray, sharding, n: int) -> jax.Array:
+  """The global [n, ...] array whose rows each process holds locally (`local_rows`' inverse)."""
+  if jax.process_count() == 1:
+    return jax.device_put(local, sharding)
+  return jax.make_array_from_process_local_data(sharding, local, (n, *local.shape[1:]))

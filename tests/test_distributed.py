@@ -125,6 +125,29 @@ def test_pipelined_rollouts_across_two_processes_match_one_process(tmp_path, one
                 one_process)
 
 
+def test_partial_rollouts_carry_groups_across_two_processes(tmp_path):
+  """rollout.mode='partial' (a pool of 2 x the batch, a group may be trained one version late) on 2
+  processes: each process keeps the pool of its own prompts on the rows its device holds, both
+  decode the segments together until each has its share of the groups complete, and each scores
+  its own rows. Every step trains a full batch that both processes scored, within the staleness
+  bound; unfinished groups are carried (completions end at geometric lengths: ~5% of the
+  vocabulary stops) and their carried tokens and log-probs stay with their rows: the learner's
+  lp_old, recomputed with parameters that barely moved, equals them. (Not compared with one
+  process: there one pool picks the batch's groups, here each process picks its share.)"""
+  stops = "[" + ",".join(map(str, range(100, 2600))) + "]"
+  metrics, _ = _two_processes(tmp_path / "carry", "rollout.mode='partial'", "rollout.max_staleness=1",
+                              "sampling.max_new_tokens=32", "train.prompts_per_step=4", "sampling.num_samples=4",
+                              f"sampling.stop_token_ids={stops}", "optim.learning_rate=1e-9", "train.steps=4")
+  assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+  for m in metrics:
+    assert m["verifier/scoring_processes"] == 2.0 and m["verifier/items"] == 16   # 4 prompts x 4 samples
+    assert m["rollout/staleness"] <= 1 and math.isfinite(m["loss"])
+  carried = [m for m in metrics if m["rollout/rounds_mean"] > 1]
+  assert carried and sum(m["rollout/groups_carried"] for m in metrics) > 0
+  for m in carried:
+    assert m["sampler_logprob_diff_max"] < 1e-4, m["sampler_logprob_diff_max"]
+
+
 def test_a_stop_signal_on_one_process_stops_both_after_the_same_step(tmp_path):
   """A preemption notice (SIGTERM) that reaches only process 1 stops both processes after the same
   step (they agree through an all-gather of the flag after every step), with one checkpoint of

@@ -23,16 +23,23 @@ group that would be older than that when trained is dropped and counted.
 Groups in flight (carried or waiting) are not saved in checkpoints: a resumed run starts with
 an empty pool (counted in groups_dropped of the run that drops them: they are simply never
 trained).
+
+In a multi-process run each process keeps the pool of its own prompts (P / processes groups of
+the batch, times `oversample`), on the rows its devices hold; the segments are programs of the
+whole mesh, so the processes decode on together until every one of them has its share of complete
+groups (agreed after each segment). The rollout's rows are then each process's groups in process
+order, and its age the oldest group's over all processes. With oversample 1 this is the
+one-process schedule exactly; with more, which groups finish first is decided per process.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rljax import sharding as shd
+from rljax.errors import ConfigError
 from rljax.rollout import segments
 from rljax.rollout.sampler import SegmentCopy
 from rljax.rollout.types import Rollout, RolloutInfo, by_rows
@@ -69,8 +76,12 @@ class PartialProducer:
   def __init__(self, spec, mesh: jax.sharding.Mesh, *, oversample: int, width: int, max_staleness: int,
                pad_id: int = 0):
     self.spec, self.mesh = spec, mesh
-    self.p, self.g = spec.prompts, spec.group
-    self.pool_size = self.p * oversample
+    self.processes = jax.process_count()
+    if spec.prompts % self.processes:
+      raise ConfigError(f"config.train.prompts_per_step={spec.prompts} must be divisible by the number of processes "
+                        f"({self.processes}) in rollout.mode='partial': each process trains its share of the groups.")
+    self.p, self.g = spec.prompts // self.processes, spec.group      # this process's groups per call
+    self.pool_size = self.p * oversample                              # this process's pool
     self.t_new = spec.sampling.max_new_tokens
     self.width, self.max_staleness, self.pad = width, max_staleness, int(pad_id)
     self.seg = segments.SegmentParams(segment_tokens=min(32, max(8, self.t_new // 8)))
@@ -87,15 +98,21 @@ class PartialProducer:
     segments_run, decode_steps = self._round(self.decode_copy(params), key)
     groups = self._take()
     self.counts["groups_trained"] += len(groups)
-    age = self.calls - min(grp.born for grp in groups)
+    here = {"age": self.calls - min(grp.born for grp in groups),
+            "groups_carried": sum(not grp.complete for grp in self.pool), "groups_waiting": len(self.waiting),
+            "rounds": sum(grp.rounds for grp in groups), "groups_dropped_total": self.counts["groups_dropped"],
+            "tokens_carried_total": self.counts["tokens_carried"]}
+    every = shd.allgather_objects(here)          # each process's pool; the metrics cover all of them
+    total = {k: sum(e[k] for e in every) for k in here}
+    age = max(e["age"] for e in every)
     metrics = {
         "rollout/segments": float(segments_run),
         "rollout/decode_steps": float(decode_steps),     # tokens drawn per row this call, at most
-        "rollout/groups_carried": float(sum(not grp.complete for grp in self.pool)),
-        "rollout/groups_waiting": float(len(self.waiting)),
-        "rollout/rounds_mean": float(np.mean([grp.rounds for grp in groups])),
-        "rollout/groups_dropped_total": float(self.counts["groups_dropped"]),
-        "rollout/tokens_carried_total": float(self.counts["tokens_carried"]),
+        "rollout/groups_carried": float(total["groups_carried"]),
+        "rollout/groups_waiting": float(total["groups_waiting"]),
+        "rollout/rounds_mean": total["rounds"] / (self.p * self.processes),
+        "rollout/groups_dropped_total": float(total["groups_dropped_total"]),
+        "rollout/tokens_carried_total": float(total["tokens_carried_total"]),
     }
     self.calls += 1
     return self._rollout(groups), RolloutInfo(examples=[grp.example for grp in groups], data_state=self.data_state,
@@ -119,17 +136,19 @@ class PartialProducer:
   def _round(self, params, key) -> tuple[int, int]:
     """Generates on the pool until P groups are complete; returns (segments run, decode steps)."""
     c, sp, g = self.spec.model, self.spec.sampling, self.g
-    b = self.pool_size * g
+    b = self.pool_size * g                       # this process's rows
     rows = [(grp, r) for grp in self.pool for r in range(g)]
     hist = [np.concatenate([grp.prompt, grp.tokens[r, :grp.lengths[r]]]) for grp, r in rows]
-    width = -(-max(len(h) for h in hist) // segments.FEED_BUCKET) * segments.FEED_BUCKET
+    width = max(shd.allgather_objects(max(len(h) for h in hist)))   # one width for every process's rows
+    width = -(-width // segments.FEED_BUCKET) * segments.FEED_BUCKET
     ids, mask = np.full((b, width), self.pad, np.int32), np.zeros((b, width), bool)
     for i, h in enumerate(hist):
       ids[i, width - len(h):], mask[i, width - len(h):] = h, True
     stack = lambda f: np.concatenate([f(grp) for grp in self.pool])
     lengths = stack(lambda x: x.lengths)
     filled = np.arange(self.t_new)[None, :] < lengths[:, None]
-    put = lambda x: jax.device_put(jnp.asarray(x), shd.batch_sharding(self.mesh, np.ndim(x), b))
+    n = b * self.processes
+    put = lambda x: shd.rows_from_processes(np.asarray(x), shd.batch_sharding(self.mesh, np.ndim(x), n), n)
     state = segments.SegmentState.init(c, b, self.t_new).replace(
         tokens=put(stack(lambda x: x.tokens)), logprobs=put(stack(lambda x: x.logprobs)),
         entropy=put(stack(lambda x: x.entropy)), n=put(lengths), mask=put(filled),
@@ -140,11 +159,12 @@ class PartialProducer:
     while True:
       state = segments.segment(*static, params, state, key)
       run += 1
-      done = np.asarray(jax.device_get(state.done)).reshape(self.pool_size, g)
-      if done.all(1).sum() >= self.p or done.all():
+      done = shd.local_rows(state.done).reshape(self.pool_size, g)
+      if all(shd.allgather_objects(bool(done.all(1).sum() >= self.p or done.all()))):
         break
-    tok, lp, ent, n, stopped, count = (np.asarray(x) for x in jax.device_get(
-        (state.tokens, state.logprobs, state.entropy, state.n, state.stopped, state.count)))
+    tok, lp, ent, n, stopped = (shd.local_rows(x) for x in
+                                (state.tokens, state.logprobs, state.entropy, state.n, state.stopped))
+    count = np.asarray(state.count.addressable_shards[0].data)      # replicated
     for k, grp in enumerate(self.pool):
       sl = slice(k * g, (k + 1) * g)
       grp.tokens, grp.logprobs, grp.entropy = tok[sl], lp[sl], ent[sl]
@@ -183,4 +203,7 @@ class PartialProducer:
         entropy=np.where(model, cat(lambda x: x.entropy), 0.0).astype(np.float32),
         lengths=lengths.astype(np.int32), truncated=(lengths == self.t_new) & ~cat(lambda x: x.stopped),
         group_size=g)
-    return jax.device_put(rollout, by_rows(self.mesh, rollout))
+    n = n_rows * self.processes
+    return jax.tree.map(lambda x, s: shd.rows_from_processes(np.asarray(x), s, n), rollout,
+                        by_rows(self.mesh, jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype),
+                                                        rollout)))

@@ -70,7 +70,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          splits_devices=True),
     Mode("partial", "rljax.trainer.rollouts:PartialRollouts",
          "a pool of groups decoded in segments; a step trains the first groups to finish, carries the rest",
-         max_staleness=None, default_staleness=1, own_fields=("oversample",)),
+         max_staleness=None, default_staleness=1, own_fields=("oversample",), multi_process=True),
 )}
 
 

@@ -270,7 +270,7 @@ class Decoupled:
   def finish_generation(item: Batch) -> Batch:
     """Waits for the batch's tokens and brings this process's rows to the host (the scorer needs
     text; in a multi-process run each process scores the rows its devices hold)."""
-    item.tokens, item.lengths = local_rows(item.rollout.tokens), local_rows(item.rollout.lengths)
+    item.tokens, item.lengths = shd.local_rows(item.rollout.tokens), shd.local_rows(item.rollout.lengths)
     return item
 
   def score(self, item: Batch) -> Batch:
@@ -288,8 +288,8 @@ class Decoupled:
       raise RolloutError(f"batch {item.index} is {staleness} versions old, outside max_staleness="
                          f"{self.max_staleness} (a bug in the scheduler).")
     n = rollout.tokens.shape[0]
-    rollout = rollout.with_rewards(rows_from_processes(item.rewards, shd.batch_sharding(self.learner_mesh, 1, n), n),
-                                   rows_from_processes(item.components, shd.batch_sharding(self.learner_mesh, 2, n), n))
+    rows = lambda x: shd.rows_from_processes(x, shd.batch_sharding(self.learner_mesh, x.ndim, n), n)
+    rollout = rollout.with_rewards(rows(item.rewards), rows(item.components))
     state, metrics = self.update(state, rollout)
     self.version += 1
     self._counts["batches_trained"] += 1
@@ -377,25 +377,6 @@ class PartialRollouts(Decoupled):
     phases = {"sample": t1 - t0, "score": t2 - t1, "update": t3 - t2}
     waiting = int(item.info.metrics["rollout/groups_waiting"])
     return state, self.output(item, metrics, t3 - t0, phases, staleness, waiting)
-
-
-def local_rows(x: jax.Array) -> np.ndarray:
-  """The rows of a row-split array that this process's devices hold, in global row order (the
-  whole array in a one-process run): the process-local data of `rows_from_processes`."""
-  if x.is_fully_addressable:
-    return np.asarray(jax.device_get(x))
-  blocks: dict[int, np.ndarray] = {}
-  for shard in x.addressable_shards:
-    start = (shard.index[0].start or 0) if shard.index else 0
-    blocks.setdefault(start, np.asarray(shard.data))   # replicas of a block hold the same rows
-  return np.concatenate([blocks[k] for k in sorted(blocks)])
-
-
-def rows_from_processes(local: np.ndarray, sharding, n: int) -> jax.Array:
-  """The global [n, ...] array whose rows each process holds locally (`local_rows`' inverse)."""
-  if jax.process_count() == 1:
-    return jax.device_put(local, sharding)
-  return jax.make_array_from_process_local_data(sharding, local, (n, *local.shape[1:]))
 
 
 def rows_on(mesh, rollout: Rollout) -> Rollout:
