@@ -64,7 +64,8 @@ def train_flops(config, tokens: int, context: float) -> float:
 
 def rollout_step_flops(config, *, sample_prompts: int, update_prompts: int, group: int, prompt_len: int,
                        decode_steps: int, completion_len: int, epochs: int = 1,
-                       extra_forwards: int = 0, decode_rows: int | None = None) -> dict[str, float]:
+                       extra_forwards: int = 0, decode_rows: int | None = None, update_fraction: float = 1.0,
+                       extra_fraction: float = 1.0) -> dict[str, float]:
   """FLOPs of one generate-score-update step, by phase.
 
   sample: one prefill per prompt ([sample_prompts, prompt_len]), then `decode_steps` tokens for
@@ -72,14 +73,17 @@ def rollout_step_flops(config, *, sample_prompts: int, update_prompts: int, grou
   sampler's decode slots, sampling.slots). update: forward + backward (`train_flops`) over
   [update_prompts * group, prompt_len + completion_len] per epoch, plus `extra_forwards` forwards
   (a reference model, recomputed old log-probs). The two prompt counts differ under dynamic
-  sampling, which generates for more prompts than it trains on.
+  sampling, which generates for more prompts than it trains on. A packed or shared-prefix update
+  computes fewer positions than those padded rows: `update_fraction` (and `extra_fraction` for
+  the extra forwards) is the share it computes (the step's packed_tokens / padded_tokens).
   """
   prefill = forward_flops(config, sample_prompts * prompt_len, prompt_len / 2)
   rows = sample_prompts * group if decode_rows is None else decode_rows
   decode = forward_flops(config, rows * decode_steps, prompt_len + decode_steps / 2)
   seq = prompt_len + completion_len
   tokens = update_prompts * group * seq
-  update = epochs * train_flops(config, tokens, seq / 2) + extra_forwards * forward_flops(config, tokens, seq / 2)
+  update = (epochs * update_fraction * train_flops(config, tokens, seq / 2)
+            + extra_forwards * extra_fraction * forward_flops(config, tokens, seq / 2))
   return {"sample": prefill + decode, "update": update}
 
 

@@ -360,3 +360,70 @@ def rows_from_processes(local: np.ndarray, sharding, n: int) -> jax.Array:
   if jax.process_count() == 1:
     return jax.device_put(local, sharding)
   return jax.make_array_from_process_local_data(sharding, local, (n, *local.shape[1:]))
+
+
+def local_value(x: jax.Array) -> np.ndarray:
+  """A replicated array's value, read from this process's own copy (`jax.device_get` refuses an
+  array that spans other processes' devices, even a replicated one)."""
+  return np.asarray(x.addressable_shards[0].data) if not x.is_fully_addressable else np.asarray(jax.device_get(x))
+
+
+class ProcessRows:
+  """The host side of a computation over [B, ...] arrays whose rows may span processes.
+
+  In a multi-process run (the rows' sharding spans other processes' devices) each process reads
+  and writes only the rows its devices hold under `sharding` (`local`, `put`), whatever sharding
+  the compiler gave an array it reads (a replicated [B] array included), and host decisions that
+  start a compiled program on every process are agreed (`any`, `max`, `sum`: one host all-gather
+  each). Otherwise the same calls are the plain one-process operations.
+  """
+
+  def __init__(self, sharding: NamedSharding | None, rows: int):
+    """sharding: how the rows are split (a batch sharding of the mesh; None: one process, no mesh);
+    rows: B, over all processes."""
+    self.rows = int(rows)
+    self.multi = sharding is not None and not sharding.is_fully_addressable
+    if self.multi:
+      self.sharding = NamedSharding(sharding.mesh, P(sharding.spec[0] if len(sharding.spec) else None))
+      self.index = local_indices(self.sharding, (self.rows,))      # this process's rows, global order
+
+  @classmethod
+  def of_prompts(cls, prompt_ids, group: int) -> "ProcessRows":
+    """For the P * group rows of prompts [P, Lp] (rows prompt-major, split as the prompts are)."""
+    sharding = getattr(prompt_ids, "sharding", None)
+    p = int(prompt_ids.shape[0])
+    if not isinstance(sharding, NamedSharding) or sharding.is_fully_addressable:
+      return cls(None, p * group)
+    return cls(batch_sharding(sharding.mesh, 1, p * group), p * group)
+
+  def local(self, x) -> np.ndarray:
+    """This process's rows of the [B, ...] array `x` (all of them in a one-process run)."""
+    if not self.multi:
+      return np.asarray(jax.device_get(x))
+    held: dict[int, np.ndarray] = {}
+    for shard in x.addressable_shards:
+      start = (shard.index[0].start or 0) if shard.index else 0
+      data = np.asarray(shard.data)
+      for i in range(data.shape[0]):
+        held.setdefault(start + i, data[i])
+    return np.stack([held[int(i)] for i in self.index])
+
+  def put(self, local: np.ndarray):
+    """This process's rows [b, ...] -> the global [B, ...] array (on one process, uncommitted:
+    the program it feeds decides its placement)."""
+    if not self.multi:
+      return jax.numpy.asarray(local)
+    return rows_from_processes(np.asarray(local), self.sharding, self.rows)
+
+  def any(self, flag) -> bool:
+    return any(allgather_objects(bool(flag))) if self.multi else bool(flag)
+
+  def max(self, value: int) -> int:
+    return max(allgather_objects(int(value))) if self.multi else int(value)
+
+  def sum(self, values: dict) -> dict:
+    """Each value summed over the processes."""
+    if not self.multi:
+      return dict(values)
+    every = allgather_objects(values)
+    return {k: sum(e[k] for e in every) for k in values}

@@ -148,6 +148,86 @@ def test_partial_rollouts_carry_groups_across_two_processes(tmp_path):
     assert m["sampler_logprob_diff_max"] < 1e-4, m["sampler_logprob_diff_max"]
 
 
+_TOOL_ENGINE = """
+import json, os, sys
+import jax, numpy as np
+sys.path.insert(0, sys.argv[2])
+from tools_testlib import scripted_tool_rollout
+from rljax import sharding as shd
+shd.maybe_initialize_distributed()      # with JAX_COORDINATOR_ADDRESS set: one of 2 processes
+from rljax.config import base_config
+from rljax.rollout import SamplingParams
+from rljax.tools import ToolRunner
+from rljax.trainer.setup import load_policy
+c = base_config()
+c.model.path, c.model.random.num_layers = "random", 2
+mesh = shd.make_mesh((-1, 1, 1))
+with shd.activate(mesh):
+  policy = load_policy(c.model, "smollm2-135m-instruct", mesh=mesh)
+tok = policy.tokenizer
+ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False))
+       for t in ("What is 6*7?", "Add 2 and 3, then square ten.")]
+width = max(len(i) for i in ids)
+pids, pmask = np.zeros((2, width), np.int32), np.zeros((2, width), bool)
+for r, i in enumerate(ids):
+  pids[r, width - len(i):], pmask[r, width - len(i):] = i, True
+body = '{{"name": "calculator", "arguments": {{"expression": "{}"}}}}'
+call = lambda e: tok.encode("Let me check. <tool_call>" + body.format(e) + "</tool_call>")
+# Row 0 (prompt 0) calls once; row 3 (prompt 1) twice: rounds where only one process's rows call.
+script = {(0, 0): call("6*7"), (3, 0): call("2+3"), (3, 1): call("10*10")}
+sp = SamplingParams(num_samples=2, max_new_tokens=96, temperature=1.0, stop_token_ids=tuple(tok.stop_ids))
+sharding = shd.batch_sharding(mesh, 2, 2)
+mine = shd.local_indices(sharding, pids.shape)
+put = lambda x: shd.rows_from_processes(x[mine], sharding, 2)
+with ToolRunner(["calculator"], timeout_s=30.0, num_workers=1) as runner, shd.activate(mesh):
+  engine = scripted_tool_rollout(policy.config, tok, runner, sp, script, segment_tokens=8)
+  _, info = engine.run(policy.params, put(pids), put(pmask), jax.random.key(3))
+t = info.trajectories
+with open(sys.argv[1] + f"/rows{jax.process_index()}.json", "w") as f:
+  json.dump({"tokens": t.tokens.tolist(), "logprobs": t.logprobs.tolist(), "lengths": t.lengths.tolist(),
+             "turns": t.turns.tolist(), "context": t.context_mask.tolist(), "metrics": info.metrics}, f)
+"""
+
+
+def _tool_engine(out, processes: int):
+  """Runs _TOOL_ENGINE over 2 devices: one process with 2, or 2 jax.distributed processes with 1."""
+  out.mkdir()
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={2 // processes}")
+  procs = []
+  for i in range(processes):
+    extra = {} if processes == 1 else {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+                                       "JAX_PROCESS_ID": str(i)}
+    procs.append(subprocess.Popen([sys.executable, "-c", _TOOL_ENGINE, str(out), os.path.dirname(__file__)],
+                                  env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  try:
+    for p in procs:
+      _wait(p)
+  finally:
+    for p in procs:
+      p.kill()
+  parts = [json.load(open(out / f"rows{i}.json")) for i in range(processes)]
+  rows = {k: sum((p[k] for p in parts), []) for k in ("tokens", "logprobs", "lengths", "turns", "context")}
+  return rows, parts[0]["metrics"]
+
+
+def test_multi_turn_tool_rollouts_across_two_processes_match_one_process(tmp_path):
+  """The multi-turn tool engine with its 4 rows split over 2 processes: each process runs the tool
+  calls of its own rows (row 0's on process 0, row 3's on process 1, which calls twice, so some
+  feed rounds have calls on one process only and both must still feed together). The
+  trajectories (tokens, tool responses, masks, turns, lengths) equal one process's with 2 devices,
+  log-probs to 1e-6, and the metrics count both processes' calls."""
+  one, m_one = _tool_engine(tmp_path / "one", 1)
+  two, m_two = _tool_engine(tmp_path / "two", 2)
+  assert one["turns"] == two["turns"] == [1, 0, 0, 2]
+  for key in ("tokens", "lengths", "context"):
+    assert one[key] == two[key], key
+  np.testing.assert_allclose(np.asarray(two["logprobs"]), np.asarray(one["logprobs"]), atol=1e-6)
+  assert m_one["tools/calls"] == m_two["tools/calls"] == 3.0
+  assert m_one["tools/feeds"] == m_two["tools/feeds"] and m_one["tools/turns_mean"] == m_two["tools/turns_mean"] == 0.75
+
+
 def test_a_stop_signal_on_one_process_stops_both_after_the_same_step(tmp_path):
   """A preemption notice (SIGTERM) that reaches only process 1 stops both processes after the same
   step (they agree through an all-gather of the flag after every step), with one checkpoint of

@@ -147,8 +147,9 @@ class PartialProducer:
     stack = lambda f: np.concatenate([f(grp) for grp in self.pool])
     lengths = stack(lambda x: x.lengths)
     filled = np.arange(self.t_new)[None, :] < lengths[:, None]
-    n = b * self.processes
-    put = lambda x: shd.rows_from_processes(np.asarray(x), shd.batch_sharding(self.mesh, np.ndim(x), n), n)
+    b_all = b * self.processes
+    put = lambda x: shd.rows_from_processes(np.asarray(x), shd.batch_sharding(self.mesh, np.ndim(x), b_all), b_all)
+    rows = shd.ProcessRows(shd.batch_sharding(self.mesh, 1, b_all), b_all)
     state = segments.SegmentState.init(c, b, self.t_new).replace(
         tokens=put(stack(lambda x: x.tokens)), logprobs=put(stack(lambda x: x.logprobs)),
         entropy=put(stack(lambda x: x.entropy)), n=put(lengths), mask=put(filled),
@@ -159,12 +160,12 @@ class PartialProducer:
     while True:
       state = segments.segment(*static, params, state, key)
       run += 1
-      done = shd.local_rows(state.done).reshape(self.pool_size, g)
-      if all(shd.allgather_objects(bool(done.all(1).sum() >= self.p or done.all()))):
+      done = rows.local(state.done).reshape(self.pool_size, g)
+      if not rows.any(not (done.all(1).sum() >= self.p or done.all())):    # every process has its groups
         break
-    tok, lp, ent, n, stopped = (shd.local_rows(x) for x in
+    tok, lp, ent, n, stopped = (rows.local(x) for x in
                                 (state.tokens, state.logprobs, state.entropy, state.n, state.stopped))
-    count = np.asarray(state.count.addressable_shards[0].data)      # replicated
+    count = shd.local_value(state.count)
     for k, grp in enumerate(self.pool):
       sl = slice(k * g, (k + 1) * g)
       grp.tokens, grp.logprobs, grp.entropy = tok[sl], lp[sl], ent[sl]

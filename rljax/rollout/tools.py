@@ -208,31 +208,37 @@ class ToolRollout:
     Returns the `Rollout` the learner trains on (on device; prompts repeated for their G rows;
     `lengths` are trajectory lengths, model and tool tokens, as the verifiers read them) and a
     `RolloutInfo` with the host `Trajectories` and the tools/* metrics.
+
+    Multi-process (prompts a global array whose rows span processes): each process parses and
+    runs the tool calls of the rows its devices hold and its `Trajectories` are those rows; the
+    decisions that start a program on every process (decode on, feed a round) are agreed, so the
+    trajectories are those of one process running all rows. The metrics cover every process.
     """
     sp, tp = self.sp, self.tp
+    rows = shd.ProcessRows.of_prompts(prompt_ids, sp.num_samples)
     prompt_ids, prompt_mask = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, bool)
     check_lengths(self.config, sp, prompt_ids.shape[1])
     t0 = time.perf_counter()
-    b = prompt_ids.shape[0] * sp.num_samples
+    state = segments.start(*self._static(), params, prompt_ids, prompt_mask, rng, slots=tp.cache_slots(sp),
+                           draw=self.draw)
+    b = len(rows.index) if rows.multi else rows.rows     # this process's rows (all B in one process)
     turn = np.zeros(b, np.int64)
     errors = np.zeros(b, np.int64)
     ended = np.zeros(b, bool)
     history: list[list[str]] = [[] for _ in range(b)]
     turn_start = np.zeros(b, np.int64)
-    state = segments.start(*self._static(), params, prompt_ids, prompt_mask, rng, slots=tp.cache_slots(sp),
-                           draw=self.draw)
     counts = {"segments": 0, "feeds": 0, "tool_calls": 0, "tool_errors": 0, "false_triggers": 0}
     tool_s = 0.0
     while True:
       state = segments.segment(*self._static(), params, state, rng, draw=self.draw)
       counts["segments"] += 1
-      n, done, paused, index = jax.device_get((state.n, state.done, state.paused, state.cache.index))
+      n, done, paused = (rows.local(x) for x in (state.n, state.done, state.paused))
       live = ~done
-      if not live.any() or index >= state.cache.slots:
+      if not rows.any(live.any()) or shd.local_value(state.cache.index) >= state.cache.slots:
         break
-      if not paused.any():
+      if not rows.any(paused.any()):
         continue          # the segment hit its step limit: decode on
-      tok = np.asarray(jax.device_get(state.tokens))   # the host needs the paused rows' text
+      tok = rows.local(state.tokens)   # the host needs the paused rows' text
       # Parse and run the calls of the paused rows.
       finish = np.zeros(b, bool)
       calls: list[tuple[int, Any]] = []
@@ -266,19 +272,23 @@ class ToolRollout:
       lengths[fed] = 1
       for r, resp in responses.items():
         lengths[r] += len(resp)
-      width = -(-max(int(lengths.max()), 1) // segments.FEED_BUCKET) * segments.FEED_BUCKET
+      width = rows.max(max(int(lengths.max(initial=0)), 1))
+      width = -(-width // segments.FEED_BUCKET) * segments.FEED_BUCKET
       feed_tok = np.zeros((b, width), np.int32)
       feed_tok[fed, 0] = tok[fed, n[fed] - 1]
       for r, resp in responses.items():
         feed_tok[r, 1:1 + len(resp)] = resp
         turn_start[r] = n[r] + len(resp)
-      state = self.resume(params, state, rng, feed_tok, lengths, finish, prompt_ids, prompt_mask)
+      state = self.resume(params, state, rng, rows.put(feed_tok), rows.put(lengths), rows.put(finish), prompt_ids,
+                          prompt_mask)
       counts["feeds"] += 1
-    return self._finish(state, prompt_ids, prompt_mask, turn, errors, ended, counts, tool_s, time.perf_counter() - t0)
+    return self._finish(state, rows, prompt_ids, prompt_mask, turn, errors, ended, counts, tool_s,
+                        time.perf_counter() - t0)
 
   def resume(self, params, state: segments.SegmentState, rng, feed_tok, lengths, finish, prompt_ids, prompt_mask):
     """Resumes decoding after a round of tool calls: feed_tok [B, W] (each live row's pending
-    token, then its response), lengths [B], finish [B] (rows the host ends), fed into the cache."""
+    token, then its response), lengths [B], finish [B] (rows the host ends; arrays or, in one
+    process, host arrays), fed into the cache."""
     del prompt_ids, prompt_mask   # the cache holds them
     return segments.feed(*self._static(), params, state, rng, jnp.asarray(feed_tok), jnp.asarray(lengths),
                          jnp.asarray(finish), draw=self.draw)
@@ -289,32 +299,37 @@ class ToolRollout:
       return text
     return self.tokenizer.decode(ids[:self.tp.max_response_tokens]) + "\n... (truncated)"
 
-  def _finish(self, state: segments.SegmentState, prompt_ids, prompt_mask, turn, errors, ended, counts, tool_s,
-              seconds) -> tuple[Rollout, RolloutInfo]:
+  def _finish(self, state: segments.SegmentState, rows: shd.ProcessRows, prompt_ids, prompt_mask, turn, errors,
+              ended, counts, tool_s, seconds) -> tuple[Rollout, RolloutInfo]:
     context = state.context_mask
-    tok, model, ctx, lp, ent, n, stopped = (np.asarray(x) for x in jax.device_get(
-        (state.tokens, state.mask, context, state.logprobs, state.entropy, state.n, state.stopped)))
+    tok, model, ctx, lp, ent, n, stopped = (rows.local(x) for x in (
+        state.tokens, state.mask, context, state.logprobs, state.entropy, state.n, state.stopped))
     truncated = ~stopped & ~ended
-    b = tok.shape[0]
+    # Per-process figures summed over processes (the same numbers in a one-process run).
+    every = rows.sum({"tool_calls": counts["tool_calls"], "tool_errors": counts["tool_errors"],
+                      "false_triggers": counts["false_triggers"], "turns": int(turn.sum()), "rows": len(turn),
+                      "turn_limited": int(ended.sum()), "tool_tokens": int((ctx & ~model).sum()),
+                      "context_tokens": int(ctx.sum()), "tool_s": tool_s})
+    calls = every["tool_calls"]
     metrics = {
-        "tools/turns_mean": float(turn.mean()) if b else 0.0,
-        "tools/calls": float(counts["tool_calls"]),
-        "tools/errors": float(counts["tool_errors"]),
-        "tools/error_rate": counts["tool_errors"] / max(counts["tool_calls"], 1),
-        "tools/seconds": tool_s,
-        "tools/latency_s": tool_s / max(counts["tool_calls"], 1),
+        "tools/turns_mean": every["turns"] / every["rows"] if every["rows"] else 0.0,
+        "tools/calls": float(calls),
+        "tools/errors": float(every["tool_errors"]),
+        "tools/error_rate": every["tool_errors"] / max(calls, 1),
+        "tools/seconds": every["tool_s"],
+        "tools/latency_s": every["tool_s"] / max(calls, 1),
         "tools/segments": float(counts["segments"]),
         "tools/feeds": float(counts["feeds"]),
-        "tools/false_triggers": float(counts["false_triggers"]),
-        "tools/turn_limited": float(ended.sum()),
-        "tools/tool_token_fraction": float((ctx & ~model).sum() / max(ctx.sum(), 1)),
+        "tools/false_triggers": float(every["false_triggers"]),
+        "tools/turn_limited": float(every["turn_limited"]),
+        "tools/tool_token_fraction": every["tool_tokens"] / max(every["context_tokens"], 1),
         "tools/rollout_seconds": seconds,
     }
     g = self.sp.num_samples
     fan = lambda x: jnp.repeat(x, g, axis=0, total_repeat_length=x.shape[0] * g)
     rollout = Rollout(prompt_ids=fan(prompt_ids), prompt_mask=fan(prompt_mask), tokens=state.tokens, mask=state.mask,
                       context_mask=context, logprobs=state.logprobs, entropy=state.entropy, lengths=state.n,
-                      truncated=jnp.asarray(truncated), group_size=g)
+                      truncated=rows.put(truncated), group_size=g)
     traj = Trajectories(tokens=tok, model_mask=model, context_mask=ctx, logprobs=lp, entropy=ent, lengths=n,
                         truncated=truncated, turn_limited=ended, turns=turn, tool_errors=errors)
     return rollout, RolloutInfo(prompt_len=int(prompt_ids.shape[1]), metrics=metrics, trajectories=traj)

@@ -289,10 +289,15 @@ class Trainer:
     steps, decode_rows = int(m["response_length_max"]), None
     if "sampler/decode_steps" in m:   # the sampler's own count; its decode slots (sampling.slots) did the work
       steps, decode_rows = int(m["sampler/decode_steps"]) + 1, decode_slots(spec.sampling, rows)
+    # A packed / shared-prefix update computes packed_tokens positions, not the padded rows' (its
+    # reference and old log-prob forwards run packed too when pack_tokens is set).
+    packed = m.get("packed_tokens", 0.0) / m["padded_tokens"] if m.get("padded_tokens") else 1.0
+    packed = packed if 0.0 < packed < 1.0 else 1.0
     work = flops.rollout_step_flops(
         spec.model, sample_prompts=sampled, update_prompts=t.prompts_per_step,
         group=spec.group, prompt_len=prompt_len, decode_steps=steps,
-        completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra, decode_rows=decode_rows)
+        completion_len=spec.sampling.max_new_tokens, epochs=t.epochs, extra_forwards=extra, decode_rows=decode_rows,
+        update_fraction=packed, extra_fraction=packed if spec.pack_tokens else 1.0)
     out = {"perf/flops_per_s": (work["sample"] + work["update"]) / max(m["time/step"], 1e-9)}
     out["perf/mfu"] = flops.utilization(out["perf/flops_per_s"], self._peak_flops)
     # In the decoupled modes a phase's time is the wait for it, not its duration: no per-phase MFU.

@@ -163,9 +163,6 @@ def make_runner(ctx: RunContext, state: TrainState):
     multi = [m.name for m in modes.MODES.values() if m.multi_process]
     raise ConfigError(f"config.rollout.mode={mode.name!r} runs in one process for now; multi-process runs use "
                       f"rollout.mode in {multi}.")
-  if jax.process_count() > 1 and ctx.tools is not None:
-    raise ConfigError("config.tools.enabled runs in one process for now (multi-turn tool rollouts are not yet "
-                      "dealt over processes); run it on one host, or turn tools off for a multi-process run.")
   if ctx.tools is not None and not mode.tools:
     raise ConfigError(f"config.tools.enabled with rollout.mode={mode.name!r}: use one of "
                       f"{[m.name for m in modes.MODES.values() if m.tools]}.")
