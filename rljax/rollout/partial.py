@@ -28,8 +28,9 @@ In a multi-process run each process keeps the pool of its own prompts (P / proce
 the batch, times `oversample`), on the rows its devices hold; the segments are programs of the
 whole mesh, so the processes decode on together until every one of them has its share of complete
 groups (agreed after each segment). The rollout's rows are then each process's groups in process
-order, and its age the oldest group's over all processes. With oversample 1 this is the
-one-process schedule exactly; with more, which groups finish first is decided per process.
+order, and its age the oldest group's over all processes. Which groups a step trains is decided
+per process, so a multi-process run does not repeat a one-process run's batches (one pool over
+all processes would have to move groups between them).
 """
 from __future__ import annotations
 

@@ -287,8 +287,8 @@ class ToolRollout:
 
   def resume(self, params, state: segments.SegmentState, rng, feed_tok, lengths, finish, prompt_ids, prompt_mask):
     """Resumes decoding after a round of tool calls: feed_tok [B, W] (each live row's pending
-    token, then its response), lengths [B], finish [B] (rows the host ends; arrays or, in one
-    process, host arrays), fed into the cache."""
+    token, then its response), lengths [B], finish [B] (rows the host ends), fed into the cache;
+    arrays of all B rows (global arrays in a multi-process run: `sharding.ProcessRows.put`)."""
     del prompt_ids, prompt_mask   # the cache holds them
     return segments.feed(*self._static(), params, state, rng, jnp.asarray(feed_tok), jnp.asarray(lengths),
                          jnp.asarray(finish), draw=self.draw)
