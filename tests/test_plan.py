@@ -300,3 +300,30 @@ def test_auto_attention_resolves_for_the_compiled_topology_not_the_host():
   assert attn.target_platform() == "cpu" and attn.resolve("auto", 512) == "xla"
   with shd.activate(mesh):
     assert attn.target_platform() == "tpu" and attn.resolve("auto", 512) == "splash"
+
+
+def test_async_plan_compiles_each_program_on_its_own_sub_mesh():
+  """rollout.mode='async' splits the chips (issue 34): the learner is compiled on the learner's
+  mesh (6 chips here, fsdp 6) and the sampler on the generators' (2 chips, data 2), each with its
+  own per-chip bytes; the time estimate overlaps sampling and the update on their own chips."""
+  status, out = run_main(TINY + ["--config.rollout.mode=async", "--config.rollout.generator_devices=2",
+                                 "--config.train.prompts_per_step=6", "--topology", "cpu:8", "--json"])
+  plan = json.loads(out)
+  assert status == 0, out
+  assert plan["topology"]["mesh"] == {"data": 1, "fsdp": 6, "tensor": 1}
+  assert plan["topology"]["generator_mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+  from rljax.models.config import ModelConfig
+  mc = ModelConfig(vocab_size=320, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=12, tie_word_embeddings=True)
+  learner, sampler = plan["programs"]["learner"], plan["programs"]["sampler"]
+  assert learner["params_bytes"] == expected_param_bytes(mc, fsdp=6)     # 48 = 6 x 8: embed split 6 ways
+  # The generators hold only the decode copy (compute dtype float32 here, replicated on their mesh).
+  assert sampler["params_bytes"] == expected_param_bytes(mc, fsdp=1)
+  assert plan["decode"]["rows_per_chip"] == 15          # 6 prompts x 5 samples over the generators' 2 chips
+  t = plan["time"]
+  assert t["split"] == {"generator_chips": 2, "learner_chips": 6, "overlapped": True}
+  assert t["step_s"] == pytest.approx(max(t["sample_s"], t["update"]["s"]))
+  assert any("generators' mesh" in n for n in plan["notes"])
+  assert "split meshes: sampling on 2 chips, the update on 6" in render_text(plan)
+  with pytest.raises(ConfigError, match="--program fused"):
+    run_main(TINY + ["--config.rollout.mode=async", "--topology", "cpu:8", "--program", "fused"])

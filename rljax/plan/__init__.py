@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Sequence
@@ -29,6 +30,7 @@ from rljax.errors import ConfigError
 from rljax.plan import programs as progs, report as rep, timing
 from rljax.plan.programs import PROGRAMS, Run, build_run
 from rljax.plan.topology import Topology, backends_started, parse_topology
+from rljax.trainer.rollouts import split_devices
 
 __all__ = ["main", "make_plan", "parse_topology", "build_run"]
 
@@ -47,54 +49,78 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
   topology's own; completion_tokens: the average completion length the estimate assumes (default
   half of sampling.max_new_tokens).
   """
-  devices = topo.devices()
   if topo.hbm_bytes:   # a deviceless chip reports no memory: give the sampler's layout choice its budget
     run = dataclasses.replace(run, decode_budget_bytes=topo.hbm_bytes // 2)
-  mesh = shd.make_mesh(tuple(run.config.mesh.shape), devices=devices)
+  # The async mode's split: the learner on the first devices' mesh, the generators on their own
+  # (rollout.generator_devices / generator_mesh), as the Trainer splits them.
+  learner_devices, generator_devices = split_devices(run.config, topo.devices())
+  mesh = shd.make_mesh(tuple(run.config.mesh.shape), devices=learner_devices)
+  gen_mesh = (shd.make_mesh(tuple(run.config.rollout.generator_mesh), devices=generator_devices,
+                            name="config.rollout.generator_mesh") if generator_devices else mesh)
+  if generator_devices and "fused" in programs:
+    raise ConfigError(f"--program fused with rollout.mode={run.config.rollout.mode!r}: that mode runs the sampler "
+                      "and the learner on separate devices; plan --program sampler, learner or all.")
   mesh_shape = dict(mesh.shape)
+  meshes = {"learner": mesh, "fused": mesh, "sampler": gen_mesh}
   full = progs.build_inputs(run, mesh)
+  gen_full = progs.build_inputs(run, gen_mesh) if generator_devices else full
+  inputs = {"learner": full, "fused": full, "sampler": gen_full}
   # The sampler's layout is decided here, at full depth, and imposed on every compile (shallow ones too).
-  layout = progs.decode_layout(run, mesh, full)
+  layout = progs.decode_layout(run, gen_mesh, gen_full)
   run = dataclasses.replace(run, decode_layout=layout)
+  if generator_devices:   # the generators hold only the decode copy the learner publishes to them
+    inputs["sampler"] = gen_full = progs.with_decode_copy(run, gen_full, gen_mesh, layout)
   if layers is not None:
     a, b = layers
     if not 0 < a < b:
       raise ConfigError(f"--layers={a},{b}: give two depths 0 < a < b (e.g. --layers 1,2).")
     if b >= run.model.num_layers:
       layers = None
-  kv = progs.kv_cache_bytes(run.model, layout.mesh(mesh), run.prompts, run.rows, run.prompt_len, run.completion_len)
+  kv = progs.kv_cache_bytes(run.model, layout.mesh(gen_mesh), run.prompts, run.rows, run.prompt_len,
+                            run.completion_len)
   reports = []
   for program in programs:
+    on, ins = meshes[program], inputs[program]
     if layers is None:
-      compiled = progs.compile_program(program, run, mesh, full, dump_dir)
+      compiled = progs.compile_program(program, run, on, ins, dump_dir)
     else:
       shallow = [run.with_layers(n) for n in layers]
-      points = [progs.compile_program(program, r, mesh, progs.build_inputs(r, mesh), dump_dir) for r in shallow]
+      points = [progs.compile_program(program, r, on, progs.build_inputs(r, on), dump_dir) for r in shallow]
       compiled = rep.extrapolate(points[0], points[1], run.model.num_layers)
     r = rep.ProgramReport(
         program=program, compiled=compiled,
         # The sampler is given the parameters the state holds: under LoRA the frozen base joined
         # with the adapters (reported apart, as for the learner), otherwise the trained parameters.
-        params_bytes=full.sampler_param_bytes - full.frozen_bytes if program == "sampler" else full.param_bytes,
-        frozen_params_bytes=full.frozen_bytes,
-        opt_state_bytes=0 if program == "sampler" else full.opt_bytes,
-        ref_params_bytes=0 if program == "sampler" else full.ref_bytes,
+        params_bytes=ins.sampler_param_bytes - ins.frozen_bytes if program == "sampler" else ins.param_bytes,
+        frozen_params_bytes=ins.frozen_bytes,
+        opt_state_bytes=0 if program == "sampler" else ins.opt_bytes,
+        ref_params_bytes=0 if program == "sampler" else ins.ref_bytes,
         kv_cache_bytes=0 if program == "learner" else kv,
-        expert_params_bytes=full.expert_sampler_bytes if program == "sampler" else full.expert_param_bytes,
-        expert_opt_state_bytes=0 if program == "sampler" else full.expert_opt_bytes,
+        expert_params_bytes=ins.expert_sampler_bytes if program == "sampler" else ins.expert_param_bytes,
+        expert_opt_state_bytes=0 if program == "sampler" else ins.expert_opt_bytes,
         hbm_bytes=topo.hbm_bytes or compiled.oom_available_bytes, extrapolated_from=layers)
-    r.suggestions = rep.suggestions(r, run, topo, mesh_shape)
+    r.suggestions = rep.suggestions(r, run, topo, dict(on.shape))
     reports.append(r)
   c = run.config
   notes = list(run.notes)
-  decode = rep.decode_json(layout, mesh, run, reports, topo)
+  decode = rep.decode_json(layout, gen_mesh, run, reports, topo)
   if run.lora is not None and run.needs_reference:
     notes.append("LoRA: the KL reference is the frozen base with the adapters off; no second copy of the model "
                  "is kept (reference params 0).")
   time = step_time(run, topo, mesh_shape, full, layout, kv, reports, chip, completion_tokens)
+  split = None
+  if generator_devices:
+    split = split_time(run, topo, dict(gen_mesh.shape), mesh_shape, full, layout, kv, reports, chip,
+                       completion_tokens)
+    time = split
+    notes.append(f"rollout.mode={run.config.rollout.mode!r}: the sampler is compiled on the generators' mesh "
+                 f"{dict(gen_mesh.shape)} ({len(generator_devices)} chips), the learner on {mesh_shape} "
+                 f"({len(learner_devices)} chips); a weight publish (every rollout.sync_every updates) gives each "
+                 f"generator chip its decode copy, {layout.bytes_per_chip / 2**30:,.2f} GiB.")
   return {
       "topology": {"name": topo.name, "platform": topo.platform, "chips": topo.chips,
-                   "description": topo.describe(), "hbm_bytes": topo.hbm_bytes, "mesh": mesh_shape},
+                   "description": topo.describe(), "hbm_bytes": topo.hbm_bytes, "mesh": mesh_shape,
+                   **({"generator_mesh": dict(gen_mesh.shape)} if generator_devices else {})},
       "model": rep.model_json(run, full.trainable_params),
       "run": {"prompts": run.prompts, "group": run.group, "rows": run.rows,
               "rows_per_chip": progs.rows_per_chip(mesh, run.rows), "prompt_tokens": run.prompt_len,
@@ -107,6 +133,26 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
       "time": time,
       "notes": notes,
   }
+
+
+def split_time(run: Run, topo: Topology, gen_shape: dict[str, int], learner_shape: dict[str, int], full, layout,
+               kv: int, reports: list, chip: str | None, completion_tokens: float | None) -> dict:
+  """The roofline estimate of an async step on split meshes: the sampler's phases on the generators'
+  chips, the update on the learner's, overlapped (the staleness bound lets the generators run a
+  batch ahead), so a step takes the longer of the two; tokens/s per chip and MFU over all chips."""
+  gen = step_time(run, topo, gen_shape, full, layout, kv, reports, chip, completion_tokens)
+  learn = step_time(run, topo, learner_shape, full, layout, kv, reports, chip, completion_tokens)
+  chips_gen, chips_learn = math.prod(gen_shape.values()), math.prod(learner_shape.values())
+  out = dict(learn)
+  for key in ("prefill", "decode_token", "decode_s", "sample_s"):
+    out[key] = gen[key]
+  out["step_s"] = max(gen["sample_s"], learn["update"]["s"])
+  chips = chips_gen + chips_learn
+  rescale = learn["step_s"] * chips_learn / (out["step_s"] * chips)   # same tokens and FLOPs, other time x chips
+  out["tokens_per_s_per_chip"] = learn["tokens_per_s_per_chip"] * rescale
+  out["mfu"] = learn["mfu"] * rescale
+  out["split"] = {"generator_chips": chips_gen, "learner_chips": chips_learn, "overlapped": True}
+  return out
 
 
 def step_time(run: Run, topo: Topology, mesh_shape: dict[str, int], full, layout, kv: int,

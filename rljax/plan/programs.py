@@ -33,11 +33,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rljax import sharding as shd
 from rljax.errors import ConfigError, RljaxError
 from rljax.models.config import ModelConfig
+from rljax.models.policy import param_logical_axes
 from rljax.plan import hlo
 from rljax.rewards import reward_models
 from rljax.rewards.spec import RewardSpec
-from rljax.rollout.sampler import decode_layout_for, make_generate_fn
-from rljax.trainer import modes, setup as setup_lib
+from rljax.rollout.sampler import decode_cast, decode_layout_for, make_generate_fn
+from rljax.trainer import setup as setup_lib
 
 PROGRAMS = ("sampler", "learner", "fused")
 
@@ -105,10 +106,6 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
     notes.append("train.objective='sft': the trainer runs only the learner program (its targets come from the data).")
   if config.tools.enabled:
     notes.append("tools.enabled: the plan compiles the single-turn sampler; multi-turn segments are smaller.")
-  mode = modes.get(config.rollout.mode)
-  if mode.splits_devices:
-    notes.append(f"rollout.mode={mode.name!r}: the plan compiles sampler and learner on the whole mesh; the mode "
-                 "splits it between generators and the learner (rollout.generator_devices).")
   return Run(setup=setup, model_source=source, notes=notes)
 
 
@@ -155,6 +152,16 @@ def decode_layout(run: Run, mesh, inputs: Inputs) -> shd.DecodeLayout:
   budget (`rljax.rollout.sampler.decode_layout_for`): never from a shallow compile, whose smaller
   model could fit where the real one does not. `inputs`: the full-depth inputs."""
   return decode_layout_for(run.model, inputs.sampler_params, mesh, run.decode_budget_bytes)
+
+
+def with_decode_copy(run: Run, inputs: Inputs, mesh, layout: shd.DecodeLayout) -> Inputs:
+  """`inputs` whose sampler parameters are the decode copy (compute dtype, in `layout` on `mesh`):
+  what the async mode's generators hold and their generate program reads (no float32 state
+  there; trainer/async_rollouts.py)."""
+  shapes = jax.eval_shape(lambda p: decode_cast(run.model, p), inputs.sampler_params)
+  shardings = layout.shardings(param_logical_axes(run.model), shapes, mesh)
+  copy = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+  return dataclasses.replace(inputs, sampler_params=copy, sampler_param_bytes=bytes_per_chip(copy), frozen_bytes=0)
 
 
 def rows_per_chip(mesh, rows: int) -> int:

@@ -151,4 +151,6 @@ def render(t: dict) -> list[str]:
       f"  update {ph(t['update'])} over {t['update_positions']:,} positions",
       f"  step {t['step_s']:,.2f} s: {t['tokens_per_s_per_chip']:,.0f} generated tokens/s per chip, "
       f"MFU {100 * t['mfu']:.1f}%",
-  ] + [f"  left out: {what}" for what in t.get("left_out", [])]
+  ] + ([f"  split meshes: sampling on {t['split']['generator_chips']} chips, the update on "
+        f"{t['split']['learner_chips']}, overlapped: a step takes the longer of the two"] if t.get("split") else []) + [
+      f"  left out: {what}" for what in t.get("left_out", [])]

@@ -169,10 +169,11 @@ def make_runner(ctx: RunContext, state: TrainState):
   return mode.runner_class()(ctx, state)
 
 
-def split_devices(config) -> tuple[list, list]:
-  """(learner devices, generator devices) for config.rollout; generators empty unless the mode
-  splits the devices (async)."""
-  devices = list(jax.devices())
+def split_devices(config, devices=None) -> tuple[list, list]:
+  """(learner devices, generator devices) of `devices` (default: all of this run's) for
+  config.rollout; generators empty unless the mode splits the devices (async). `rljax plan` splits
+  a topology's devices the same way."""
+  devices = list(jax.devices() if devices is None else devices)
   r = config.rollout
   if not modes.get(r.mode).splits_devices:
     return devices, []
