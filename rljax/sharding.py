@@ -396,10 +396,13 @@ class ProcessRows:
       return cls(None, p * group)
     return cls(batch_sharding(sharding.mesh, 1, p * group), p * group)
 
-  def local(self, x) -> np.ndarray:
-    """This process's rows of the [B, ...] array `x` (all of them in a one-process run)."""
-    if not self.multi:
-      return np.asarray(jax.device_get(x))
+  def local(self, *xs):
+    """This process's rows of each [B, ...] array (all of them in a one-process run), fetched in
+    one transfer; one array gives one host array, several a tuple."""
+    out = tuple(np.asarray(v) for v in jax.device_get(xs)) if not self.multi else tuple(map(self._held, xs))
+    return out[0] if len(xs) == 1 else out
+
+  def _held(self, x) -> np.ndarray:
     held: dict[int, np.ndarray] = {}
     for shard in x.addressable_shards:
       start = (shard.index[0].start or 0) if shard.index else 0

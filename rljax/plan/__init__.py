@@ -107,12 +107,11 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
   if run.lora is not None and run.needs_reference:
     notes.append("LoRA: the KL reference is the frozen base with the adapters off; no second copy of the model "
                  "is kept (reference params 0).")
-  time = step_time(run, topo, mesh_shape, full, layout, kv, reports, chip, completion_tokens)
-  split = None
-  if generator_devices:
-    split = split_time(run, topo, dict(gen_mesh.shape), mesh_shape, full, layout, kv, reports, chip,
-                       completion_tokens)
-    time = split
+  if not generator_devices:
+    time = step_time(run, topo, mesh_shape, full, layout, kv, reports, chip, completion_tokens)
+  else:
+    time = split_time(run, topo, dict(gen_mesh.shape), mesh_shape, full, layout, kv, reports, chip,
+                      completion_tokens)
     notes.append(f"rollout.mode={run.config.rollout.mode!r}: the sampler is compiled on the generators' mesh "
                  f"{dict(gen_mesh.shape)} ({len(generator_devices)} chips), the learner on {mesh_shape} "
                  f"({len(learner_devices)} chips); a weight publish (every rollout.sync_every updates) gives each "

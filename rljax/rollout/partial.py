@@ -138,9 +138,10 @@ class PartialProducer:
     """Generates on the pool until P groups are complete; returns (segments run, decode steps)."""
     c, sp, g = self.spec.model, self.spec.sampling, self.g
     b = self.pool_size * g                       # this process's rows
-    rows = [(grp, r) for grp in self.pool for r in range(g)]
-    hist = [np.concatenate([grp.prompt, grp.tokens[r, :grp.lengths[r]]]) for grp, r in rows]
-    width = max(shd.allgather_objects(max(len(h) for h in hist)))   # one width for every process's rows
+    hist = [np.concatenate([grp.prompt, grp.tokens[r, :grp.lengths[r]]]) for grp in self.pool for r in range(g)]
+    b_all = b * self.processes
+    rows = shd.ProcessRows(shd.batch_sharding(self.mesh, 1, b_all), b_all)
+    width = rows.max(max(len(h) for h in hist))          # one width for every process's rows
     width = -(-width // segments.FEED_BUCKET) * segments.FEED_BUCKET
     ids, mask = np.full((b, width), self.pad, np.int32), np.zeros((b, width), bool)
     for i, h in enumerate(hist):
@@ -148,9 +149,7 @@ class PartialProducer:
     stack = lambda f: np.concatenate([f(grp) for grp in self.pool])
     lengths = stack(lambda x: x.lengths)
     filled = np.arange(self.t_new)[None, :] < lengths[:, None]
-    b_all = b * self.processes
     put = lambda x: shd.rows_from_processes(np.asarray(x), shd.batch_sharding(self.mesh, np.ndim(x), b_all), b_all)
-    rows = shd.ProcessRows(shd.batch_sharding(self.mesh, 1, b_all), b_all)
     state = segments.SegmentState.init(c, b, self.t_new).replace(
         tokens=put(stack(lambda x: x.tokens)), logprobs=put(stack(lambda x: x.logprobs)),
         entropy=put(stack(lambda x: x.entropy)), n=put(lengths), mask=put(filled),
@@ -164,8 +163,7 @@ class PartialProducer:
       done = rows.local(state.done).reshape(self.pool_size, g)
       if not rows.any(not (done.all(1).sum() >= self.p or done.all())):    # every process has its groups
         break
-    tok, lp, ent, n, stopped = (rows.local(x) for x in
-                                (state.tokens, state.logprobs, state.entropy, state.n, state.stopped))
+    tok, lp, ent, n, stopped = rows.local(state.tokens, state.logprobs, state.entropy, state.n, state.stopped)
     count = shd.local_value(state.count)
     for k, grp in enumerate(self.pool):
       sl = slice(k * g, (k + 1) * g)

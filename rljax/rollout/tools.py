@@ -232,7 +232,7 @@ class ToolRollout:
     while True:
       state = segments.segment(*self._static(), params, state, rng, draw=self.draw)
       counts["segments"] += 1
-      n, done, paused = (rows.local(x) for x in (state.n, state.done, state.paused))
+      n, done, paused = rows.local(state.n, state.done, state.paused)
       live = ~done
       if not rows.any(live.any()) or shd.local_value(state.cache.index) >= state.cache.slots:
         break
@@ -302,8 +302,8 @@ class ToolRollout:
   def _finish(self, state: segments.SegmentState, rows: shd.ProcessRows, prompt_ids, prompt_mask, turn, errors,
               ended, counts, tool_s, seconds) -> tuple[Rollout, RolloutInfo]:
     context = state.context_mask
-    tok, model, ctx, lp, ent, n, stopped = (rows.local(x) for x in (
-        state.tokens, state.mask, context, state.logprobs, state.entropy, state.n, state.stopped))
+    tok, model, ctx, lp, ent, n, stopped = rows.local(
+        state.tokens, state.mask, context, state.logprobs, state.entropy, state.n, state.stopped)
     truncated = ~stopped & ~ended
     # Per-process figures summed over processes (the same numbers in a one-process run).
     every = rows.sum({"tool_calls": counts["tool_calls"], "tool_errors": counts["tool_errors"],
