@@ -66,6 +66,7 @@ class _Round:
     self.start = time.perf_counter()
     self.closed = False       # no more arrivals join (all came, or a waiter stopped waiting)
     self.scoring = False
+    self.scored = False       # the rows this round claimed are scored (results or error set)
     self.done = False
     self.error: BaseException | None = None
     self.results: dict[int, tuple[float, np.ndarray]] = {}
@@ -106,6 +107,10 @@ class RewardFn:
     # The step's scoring calls: one, or several rounds when devices reach the callback far apart.
     self._parts: list[tuple[RewardBatch, np.ndarray, np.ndarray]] = []   # (batch, rows, rewards)
     self._timing: dict[str, float] | None = None
+    # The step's claimed rows by global index: (token ids, the _Round scoring them). A replica of a
+    # row (a device on another mesh axis holding the same shard) reaching the callback in a later
+    # round takes that round's results instead of being scored, and published, a second time.
+    self._scored: dict[int, tuple[np.ndarray, _Round]] = {}
 
   # ---- host side ------------------------------------------------------------------------------
 
@@ -126,7 +131,7 @@ class RewardFn:
         raise ValueError(f"set_batch got {len(self._examples)} examples but {len(self._indices)} indices.")
       self._per_row = per_row
       self._step = int(step)
-      self._parts, self._timing = [], None   # a new step: its metrics cover the rows scored from now
+      self._parts, self._timing, self._scored = [], None, {}   # a new step: metrics cover the rows scored from now
       if group_size is not None:
         self.group_size = int(group_size)
 
@@ -178,7 +183,7 @@ class RewardFn:
     """Adds a scoring call's results to the step's (a call whose rows were already scored starts a
     new step: the step ran again without set_batch)."""
     if any(np.intersect1d(rows, part[1]).size for part in self._parts):
-      self._parts, self._timing = [], None
+      self._parts, self._timing, self._scored = [], None, {}
     self._parts.append((out, rows, rewards))
     first = start if self._timing is None else min(self._timing["start"], start)
     self._timing = {"start": first, "end": time.perf_counter()}
@@ -302,7 +307,15 @@ class RewardFn:
     return rewards, comps
 
   def _score_round(self, r: _Round, n_total: int) -> None:
-    """Scores the unique rows of a round once and wakes its devices."""
+    """Scores the unique rows of a round once and wakes its devices.
+
+    Rows that another round of this step scores, or scored, with the same token ids (replicas of a
+    shard over other mesh axes, whose devices reached the callback more than gather_timeout_s
+    apart) take that round's results: scoring them again would count them twice in the step's
+    metrics, or, as a repeat of published rows, restart the step's metrics without the earlier
+    rounds. A round claims its new rows under the lock before scoring, so it only ever waits for
+    rounds that claimed earlier (no cycle).
+    """
     try:
       with self._lock:
         step, g = self._step, self.group_size
@@ -313,20 +326,51 @@ class RewardFn:
       rows, first = np.unique(rows, return_index=True)   # replicas (other mesh axes) scored once
       tokens, lengths = tokens[first], lengths[first]
       extra = None if extra is None else extra[first]
-      with self._lock:
-        examples = self._lookup(rows, n_total)
-      rewards, comps, out = self._score_rows(tokens, lengths, examples, step, g, rows, extra)
-      results = {int(i): (float(rw), c) for i, rw, c in zip(rows, rewards, comps)}
+      ids = [tokens[i, :max(0, min(int(lengths[i]), tokens.shape[1]))] for i in range(rows.size)]
       with self._cv:
+        owners = self._claim(rows, ids, r)
+        mine = np.asarray([owners[i] is r for i in rows.tolist()], bool)
+        examples = self._lookup(rows[mine], n_total) if mine.any() else []
+      results: dict[int, tuple[float, np.ndarray]] = {}
+      if mine.any():
+        new_rows = rows[mine]
+        rewards, comps, out = self._score_rows(tokens[mine], lengths[mine], examples, step, g, new_rows,
+                                               None if extra is None else extra[mine])
+        results = {int(i): (float(rw), c) for i, rw, c in zip(new_rows, rewards, comps)}
+      with self._cv:
+        r.results = dict(results)
+        if mine.any():
+          self._publish(out, new_rows, rewards, r.start)
+        r.scored = True
+        self._cv.notify_all()
+        for i in rows.tolist():
+          owner = owners[i]
+          while not owner.scored:
+            self._cv.wait()
+          if owner.error is not None:
+            raise owner.error
+          results[i] = owner.results[i]
         r.results = results
-        self._publish(out, rows, rewards, r.start)
     except BaseException as e:  # noqa: BLE001 - re-raised in every waiting device's callback
       with self._cv:
         r.error = e
     finally:
       with self._cv:
-        r.done = True
+        r.scored = r.done = True
         self._cv.notify_all()
+
+  def _claim(self, rows: np.ndarray, ids: list[np.ndarray], r: _Round) -> dict[int, _Round]:
+    """{row: the round that scores it}: a round of this step that claimed the row with these same
+    token ids, else `r` (which claims it). A row claimed with other token ids means the step ran
+    again without set_batch: a new step, whose rows all belong to `r` (caller holds the lock)."""
+    if any(i in self._scored and not np.array_equal(self._scored[i][0], x) for i, x in zip(rows.tolist(), ids)):
+      self._parts, self._timing, self._scored = [], None, {}
+    owners = {}
+    for i, x in zip(rows.tolist(), ids):
+      if i not in self._scored:
+        self._scored[i] = (x, r)
+      owners[i] = self._scored[i][1]
+    return owners
 
   # ---- jit side -----------------------------------------------------------------------------------
 
