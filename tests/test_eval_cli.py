@@ -44,6 +44,25 @@ def test_rljax_eval_writes_consistent_metrics_and_per_example_results(tmp_path, 
   assert 0.0 < metrics["pass@4"]
 
 
+def test_shared_prefix_prefill_gives_the_same_completions(tmp_path, capsys):
+  """The chat template's system prompt is the same in every prompt: `rljax eval` prefills it once
+  per batch by default, and the greedy completions equal those of `--no-shared-prefix` (the plain
+  prefill of every prompt), on the real SmolLM2."""
+  runs = {}
+  for name, extra in (("shared", []), ("plain", ["--no-shared-prefix"])):
+    out = tmp_path / f"{name}.jsonl"
+    rc = eval_main(["--data", "arithmetic", "--difficulty", "1", "--held-out-fraction", "0.5", "--num-examples", "8",
+                    "--max-new-tokens", "12", "--max-prompt-tokens", "64", "--batch-size", "8", "--quiet",
+                    "--out", str(out), *extra])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    runs[name] = (json.loads(printed[:printed.rindex("}") + 1]), [json.loads(x) for x in out.read_text().splitlines()])
+  assert runs["shared"][0]["shared_prefix_tokens"] >= 8      # SmolLM2's default system prompt, at least
+  assert runs["plain"][0]["shared_prefix_tokens"] == 0
+  assert [r["completions"] for r in runs["shared"][1]] == [r["completions"] for r in runs["plain"][1]]
+  assert runs["shared"][0]["accuracy"] == runs["plain"][0]["accuracy"]
+
+
 def test_eval_rejects_unknown_procedural_settings(tmp_path):
   with pytest.raises(Exception, match="held_out_fraction=0.3"):
     eval_main(["--data", "arithmetic", "--held-out-fraction", "0.3", "--out", str(tmp_path / "e.jsonl")])

@@ -113,6 +113,8 @@ def test_eval_maps_columns_with_its_own_flag_and_batch_size_changes_nothing(tiny
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["answer"] for r in rows] == [str(2 * i) for i in range(12)]
     results[size] = ([r["completions"] for r in rows], {k: v for k, v in metrics.items()
-                                                        if k not in ("tokens_per_s", "generate_seconds")})
+                                                        if k not in ("tokens_per_s", "generate_seconds",
+                                                                     "shared_prefix_tokens")})
+    assert metrics["shared_prefix_tokens"] == (0 if size == 1 else 27)   # the chat template's system prompt
   assert results[1] == results[5] == results[64]
   assert any(c[0] for c in results[1][0])                  # the tiny model wrote something

@@ -130,6 +130,52 @@ def test_right_padding_matches_left_padding(models):
   np.testing.assert_allclose(np.asarray(left.logprobs), np.asarray(right.logprobs), atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_shared_prefix_prefill_samples_as_the_plain_prefill(models, family):
+  """Prompts that begin with the same 5 tokens (a system prompt): the prefill that computes them
+  once (`shared_prefix_layout` + `sample(shared_prefix=s)`) draws the same tokens as the plain one
+  with the same key, its log-probs equal to 1e-5 (float32 reordering of the attention sums) and
+  each row's log-probs equal the learner's on the layout it was given."""
+  _, config, params = models[family]
+  rng = np.random.default_rng(7)
+  system = rng.integers(1, VOCAB, 5)
+  tails = [rng.integers(1, VOCAB, n) for n in (4, 1, 6, 2)]       # ragged after the shared part
+  width = 5 + 6 + 1
+  ids, mask = np.zeros((4, width), np.int32), np.zeros((4, width), bool)
+  for i, t in enumerate(tails):
+    row = np.concatenate([system, t])
+    ids[i, -len(row):], mask[i, -len(row):] = row, True
+  shared_ids, shared_mask, s = sampler.shared_prefix_layout(ids, mask)
+  assert s == 5 and shared_mask[:, :5].all() and (shared_ids[:, :5] == system).all()
+  for i, t in enumerate(tails):   # each prompt's own tokens, left-padded after the shared ones
+    np.testing.assert_array_equal(shared_ids[i][shared_mask[i]], np.concatenate([system, t]))
+  f = jax.jit(sample, static_argnums=(0, 4, 6), static_argnames=("shared_prefix",))
+  for sp in (SamplingParams(num_samples=3, max_new_tokens=6, temperature=0.9),
+             SamplingParams(num_samples=1, max_new_tokens=6, greedy=True)):
+    plain = f(config, params, ids, mask, sp, jax.random.key(3), ())
+    shared = f(config, params, shared_ids, shared_mask, sp, jax.random.key(3), (), shared_prefix=s)
+    np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(shared.lengths), np.asarray(plain.lengths))
+    np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(plain.logprobs), atol=1e-5)
+    if not sp.greedy:
+      want, _ = _learner_logprobs(config, params, shared, sp.logprob_temperature)
+      m = np.asarray(shared.mask)
+      assert m.sum() > 20
+      assert np.abs(np.asarray(shared.logprobs) - np.asarray(want))[m].max() <= 1e-5
+
+
+def test_shared_prefix_layout_needs_a_shared_prefix():
+  ids = np.asarray([[0, 5, 6, 7], [0, 0, 5, 9], [8, 5, 6, 7]], np.int32)
+  mask = ids > 0
+  out_ids, out_mask, s = sampler.shared_prefix_layout(ids[:2], mask[:2])
+  assert s == 1 and out_ids[:, 0].tolist() == [5, 5]          # [5 6 7] and [5 9] share "5"
+  assert sampler.shared_prefix_layout(ids, mask)[2] == 0       # the third starts with 8
+  assert sampler.shared_prefix_layout(ids[:2], mask[:2], min_shared=2)[2] == 0
+  same = np.asarray([[3, 4], [3, 4]], np.int32)
+  assert sampler.shared_prefix_layout(same, same > 0)[2] == 1  # the last token stays per prompt
+  assert sampler.shared_prefix_layout(ids[:1], mask[:1])[2] == 0   # one prompt: nothing to share
+
+
 # ---- log-probs equal the learner's ---------------------------------------------------------
 
 

@@ -296,6 +296,9 @@ SCHEMA = Section(
         allow_training_data=Field(False, "evaluate even where the test split reads the training file (on purpose)"),
         batch_size=Field(0, "completions decoded at once (0 = a training step's rows, at least 128); greedy results "
                          "do not depend on it"),
+        shared_prefix=Field(True, "prefill the leading tokens every prompt of a batch shares (a system prompt, "
+                            "few-shot examples) once per batch, not once per prompt; same completions up to "
+                            "float32 reordering"),
     ),
     output=Section(
         "what the run writes into output.dir",

@@ -161,6 +161,29 @@ class CachedModel:
     routes = None if experts is None else jnp.moveaxis(experts, 0, 2)
     return out.cache, self.logits(h_last), routes
 
+  def prefill_shared(self, prompt_ids, prompt_mask, s: int, constrain=lambda x, logical: x):
+    """`prefill` of prompts [P, Lp] whose first s columns are the same real tokens in every prompt
+    (a system prompt, few-shot examples): those s columns run once, as one prompt; then every
+    prompt's other Lp - s columns run over a cache that starts with them. Returns (cache, logits)
+    as `prefill` does (slots = Lp), equal up to float32 reordering, for P * (Lp - s) + s prefill
+    positions instead of P * Lp."""
+    p, width = prompt_ids.shape
+    if not 0 < s < width:
+      raise ValueError(f"shared prefix of {s} tokens: it must be between 1 and the prompt width - 1 ({width - 1}).")
+    shared, _ = self.prefill(prompt_ids[:1, :s], prompt_mask[:1, :s], s, constrain)
+    fan = lambda x, axis: jnp.pad(jnp.broadcast_to(x, x.shape[:1] + (p,) + x.shape[2:]),
+                                  [(0, width - s) if a == axis % x.ndim else (0, 0) for a in range(x.ndim)])
+    k = constrain(fan(shared.layers.k, -1), ("layers", "batch", "kv_heads", "head_dim", "length"))
+    v = constrain(fan(shared.layers.v, -2), ("layers", "batch", "kv_heads", "length", "head_dim"))
+    kv_mask = jnp.zeros((p, width), bool).at[:, :s].set(True)
+    cache = KVCache(LayerCache(k, v), kv_mask, jnp.int32(s))
+    ids, mask = prompt_ids[:, s:], prompt_mask[:, s:]
+    positions = s + positions_from_mask(mask)
+    out = apply_model(self.config, self.params, ids, positions, mask, cache, return_hidden=True)
+    last = _last_true(mask)
+    h_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [P, D]
+    return out.cache, self.logits(h_last)
+
   def forward(self, tokens, positions, token_mask, cache: DecodeCache, prefix: PrefixCache | None = None):
     """W new tokens per row: tokens, positions [B, W] int32, token_mask [B, W] bool, written at
     slots [cache.index, cache.index + W). Returns the final-normed hidden states [B, W, D], the

@@ -134,7 +134,7 @@ def check_lengths(config: ModelConfig, sp: SamplingParams, prompt_len: int) -> N
 
 def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.Array, sp: SamplingParams,
            rng: jax.Array, eos_ids: Sequence[int] = (), *, mesh: jax.sharding.Mesh | None = None,
-           rules=shd.DEFAULT_RULES) -> SampleOutput:
+           rules=shd.DEFAULT_RULES, shared_prefix: int = 0) -> SampleOutput:
   """Draws G completions for each of P prompts. Pure; jit with config, sp, eos_ids, mesh static.
 
   prompt_ids: [P, Lp] int32, left-padded by convention (right padding works too);
@@ -142,7 +142,11 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   output. eos_ids: ids that stop a row (with sp.stop_token_ids). mesh: when given, the batch
   axis of the cache and of every per-row array is constrained to ("data", "fsdp") and the KV
   heads to "tensor" (dimensions the mesh does not divide are replicated); the parameters keep
-  the sharding they come with.
+  the sharding they come with. shared_prefix: s > 0 when the first s columns of every prompt are
+  the same real tokens (a system prompt, few-shot examples; `shared_prefix_layout` lays prompts
+  out so): the prefill computes them once instead of once per prompt (`prefill_shared`); the
+  samples are those of the plain prefill up to float32 reordering (tested). Not with routing
+  replay (the prompts' routes are not recorded then).
 
   A row whose prompt_mask is all False (an empty prompt) yields an empty completion
   (length 0); `generate` rejects such prompts instead.
@@ -178,7 +182,14 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
   # that the G rows of the prompt share (read-only) while decoding.
   model = CachedModel(config, params)
   record = records_routes(config)
-  cache, logits, prompt_routes = model.prefill_with_routes(prompt_ids, prompt_mask, width, constrain)
+  if shared_prefix:
+    if record:
+      raise ConfigError("sample(shared_prefix=...) does not record the prompts' expert routes; sample with "
+                        "shared_prefix=0 when routing replay is on.")
+    cache, logits = model.prefill_shared(prompt_ids, prompt_mask, shared_prefix, constrain)
+    prompt_routes = None
+  else:
+    cache, logits, prompt_routes = model.prefill_with_routes(prompt_ids, prompt_mask, width, constrain)
   prefix = PrefixCache.from_kv(cache).constrain(constrain)
 
   # 2. Fan out the first-token logits to G rows per prompt and choose every row's first token.
@@ -226,6 +237,37 @@ def sample(config: ModelConfig, params, prompt_ids: jax.Array, prompt_mask: jax.
       tokens=state.tokens, mask=state.mask, lengths=lengths, truncated=(lengths == t_new) & ~state.stopped,
       logprobs=state.logprobs, entropy=state.entropy, prompt_ids=rows(fan(prompt_ids)),
       prompt_mask=rows(fan(prompt_mask)), decode_step=decode_step, routes=routes, num_samples=g)
+
+
+def shared_prefix_layout(prompt_ids, prompt_mask, min_shared: int = 1, length: int | None = None):
+  """Host-side: (ids, mask, s) with the prompts' longest common run of leading real tokens (s of
+  them) moved to the first s columns and each prompt's remaining tokens left-padded after them,
+  for `sample(..., shared_prefix=s)`. s = 0 (the prompts as given) for a single prompt, or when they
+  share fewer than `min_shared` tokens, or a prompt has no token after the shared ones. `length`: exactly that many
+  shared tokens (one compiled program for every batch), or s = 0 when the prompts share fewer.
+  prompt_ids, prompt_mask: [P, Lp] numpy arrays, real tokens where the mask is set."""
+  import numpy as np
+  ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
+  real = [row[m] for row, m in zip(ids, mask)]
+  shortest = min(len(r) for r in real)
+  s = 0
+  while s < shortest and all(r[s] == real[0][s] for r in real):
+    s += 1
+  s = min(s, shortest - 1)             # every prompt keeps a token after the prefix (its logits)
+  if len(real) < 2:
+    s = 0                              # one prompt: nothing to share
+  if length is not None:
+    s = length if s >= length else 0
+  if s < max(min_shared, 1):
+    return ids, mask, 0
+  width = ids.shape[1]
+  out_ids = np.full_like(ids, ids[~mask][0] if (~mask).any() else 0)
+  out_mask = np.zeros_like(mask)
+  out_ids[:, :s], out_mask[:, :s] = real[0][:s], True
+  for i, r in enumerate(real):
+    tail = r[s:]
+    out_ids[i, width - len(tail):], out_mask[i, width - len(tail):] = tail, True
+  return out_ids, out_mask, s
 
 
 def records_routes(config: ModelConfig) -> bool:

@@ -21,18 +21,22 @@ import numpy as np
 from rljax import evaluation
 from rljax.data import PromptBatcher
 from rljax.errors import ConfigError, DataError
+from rljax.rollout.sampler import records_routes, sample, shared_prefix_layout
 
 DEFAULT_BATCH_ROWS = 128   # `rljax eval --batch-size`: completions decoded at once
 
 
-@functools.lru_cache(maxsize=8)
-def _sample_fn(config, sp):
-  """The jitted sampler of one model config and SamplingParams, kept: the trainer's evaluations
-  (before, every eval.every steps, after) reuse its compiled programs instead of compiling anew."""
-  from rljax.rollout.sampler import sample
+# Prompts sharing fewer leading tokens than this are prefilled as they are (not worth a program).
+MIN_SHARED_PREFIX = 8
 
+
+@functools.lru_cache(maxsize=8)
+def _sample_fn(config, sp, shared_prefix: int = 0):
+  """The jitted sampler of one model config and SamplingParams, kept: the trainer's evaluations
+  (before, every eval.every steps, after) reuse its compiled programs instead of compiling anew.
+  shared_prefix: the prompts' shared leading tokens, prefilled once (`rollout.sampler.sample`)."""
   def eval_sample(params, ids, mask, key):
-    return sample(config, params, ids, mask, sp, key, eos_ids=tuple(sp.stop_token_ids))
+    return sample(config, params, ids, mask, sp, key, eos_ids=tuple(sp.stop_token_ids), shared_prefix=shared_prefix)
   return jax.jit(eval_sample)
 
 
@@ -46,7 +50,7 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
                     max_prompt_tokens: int, batch_prompts: int = 8, out_path: str | None = None,
                     seed: int = 0, distinct: bool = True, tool_rollout=None, prompt_tools=None,
                     label: str | None = None, progress: bool = False,
-                    stop: Callable[[], None] | None = None) -> dict[str, Any]:
+                    stop: Callable[[], None] | None = None, shared_prefix: bool = True) -> dict[str, Any]:
   """Scores `samples` completions for each of the first `num_examples` examples of `dataset`.
 
   Returns accuracy (mean score>0.5 of the first reward component over all samples) with its
@@ -64,6 +68,11 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
   time spent generating, compilation excluded. `stop()` is called between batches; what it
   raises (trainer/stopping.py's StopRequested) ends the evaluation early.
 
+  With `shared_prefix` (the default), the leading tokens that every prompt of a batch shares (a
+  chat template's system prompt, few-shot examples; at least MIN_SHARED_PREFIX of them) are
+  prefilled once for the batch instead of once per prompt; the completions are those of the plain
+  prefill up to float32 reordering. Not with tools or routing replay.
+
   With `progress`, a line says what is evaluated (under `label`, e.g. "eval before training"), a
   progress bar counts the examples, and the result is printed when it ends (all on stderr), so a
   long evaluation is never a silent one.
@@ -75,11 +84,15 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
   compile_stats.install()
   batcher = PromptBatcher(dataset, tokenizer, prompts_per_batch=batch_prompts, max_prompt_tokens=max_prompt_tokens,
                           pad_to_max_prompt_tokens=True, drop_remainder=False, distinct=distinct, tools=prompt_tools)
+  # The prompts' common leading tokens (a system prompt, few-shot examples) are prefilled once. The
+  # first batch's count is kept for every batch (one compiled program); a batch sharing fewer goes plain.
+  share = shared_prefix and tool_rollout is None and not records_routes(model_config)
+  shared_len = None
   if tool_rollout is None:
-    run = _sample_fn(model_config, sampling)
+    run = lambda params, ids, mask, key, s: _sample_fn(model_config, sampling, s)(params, ids, mask, key)
   else:
     engine = tool_rollout(sampling)
-    run = lambda params, ids, mask, key: engine.run(params, ids, mask, key)[1].trajectories
+    run = lambda params, ids, mask, key, s: engine.run(params, ids, mask, key)[1].trajectories
   key = jax.random.key(seed)
   per_example: list[dict[str, Any]] = []
   tokens_made, seconds = 0, 0.0
@@ -92,10 +105,16 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
     if n < batch_prompts:  # pad the last batch to the compiled shape
       ids = np.concatenate([ids, np.repeat(ids[-1:], batch_prompts - n, 0)])
       mask = np.concatenate([mask, np.repeat(mask[-1:], batch_prompts - n, 0)])
+    s = 0
+    if share:
+      laid_ids, laid_mask, s = shared_prefix_layout(ids, mask, MIN_SHARED_PREFIX, shared_len)
+      shared_len = s if shared_len is None else shared_len
+      if s:
+        ids, mask = laid_ids, laid_mask
     key, sub = jax.random.split(key)
     start = time.perf_counter()
     with heartbeat.phase(f"{label}: generating {n * samples} completions"):
-      out = jax.device_get(run(params, ids, mask, sub))
+      out = jax.device_get(run(params, ids, mask, sub, s))
     seconds += time.perf_counter() - start
     rows = n * samples
     tokens, lengths = np.asarray(out.tokens)[:rows], np.asarray(out.lengths)[:rows]
@@ -127,6 +146,7 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
   if per_example:
     metrics["tokens_per_s"] = float(tokens_made / max(generating, 1e-9))
     metrics["generate_seconds"] = float(seconds)
+    metrics["shared_prefix_tokens"] = int(shared_len or 0)   # prefilled once per batch (0: none)
   bar.close(metrics, out_path)
   return metrics
 
@@ -230,6 +250,9 @@ def eval_main(argv) -> int:
                       help="completions decoded at once (prompts per batch: this over --samples); larger is faster "
                            "until memory runs out; greedy results do not depend on it")
   parser.add_argument("--batch-prompts", type=int, default=None, help=argparse.SUPPRESS)   # before --batch-size
+  parser.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
+                      help="prefill every prompt whole (by default the leading tokens all prompts of a batch share, "
+                           "such as a system prompt or few-shot examples, are prefilled once per batch)")
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--timeout", type=float, default=10.0)
   parser.add_argument("--out", default="eval_results.jsonl")
@@ -307,7 +330,8 @@ def eval_main(argv) -> int:
                                   args.batch_size, args.samples, args.num_examples),
                               out_path=args.out, seed=args.seed,
                               tool_rollout=tool_rollout, prompt_tools=prompt_tools,
-                              label=f"eval {args.data} ({args.split})", progress=not args.quiet)
+                              label=f"eval {args.data} ({args.split})", progress=not args.quiet,
+                              shared_prefix=args.shared_prefix)
   print(json.dumps(metrics, indent=2))
   print(f"{format_result(metrics)}\nper-example results: {args.out}")
   return 0

@@ -454,7 +454,8 @@ class Trainer:
         out_path=os.path.join(self.out_dir, f"eval_{tag}.jsonl"), seed=c.train.seed,
         label={"before": "eval before training", "after": "eval after training"}.get(
             tag, "eval at " + tag.replace("step", "step ")),
-        progress=c.output.progress and jax.process_index() == 0, stop=stop.check if stop is not None else None)
+        progress=c.output.progress and jax.process_index() == 0, stop=stop.check if stop is not None else None,
+        shared_prefix=c.eval.shared_prefix)
 
   def save(self, eval_metrics=None, force=False):
     # Only process 0 writes the extras, but each process reads its own shard of the data: keep all.
