@@ -109,6 +109,14 @@ def test_set_batch_is_required(pool):
     reward_fn.host_fn(np.zeros((2, 3), np.int32), np.zeros(2, np.int32))
 
 
+def _counting(pool, calls: list):
+  """The pool, its score appending to `calls` how many texts each call scored."""
+  def score(texts, *a, **k):
+    calls.append(len(texts))
+    return pool.score(texts, *a, **k)
+  return type("Counting", (), {"score": staticmethod(score)})()
+
+
 def _mesh(shape):
   from rljax.sharding import make_mesh
   return make_mesh(shape)
@@ -131,13 +139,7 @@ def test_scored_per_shard_once_per_process(pool, shape):
   assert idx.tolist() == list(range(8))                  # one process holds every prompt
   reward_fn.set_batch([examples[i] for i in idx], step=3, indices=idx)
   calls = []
-  score = pool.score
-
-  def counting(texts, *a, **k):
-    calls.append(len(texts))
-    return score(texts, *a, **k)
-
-  reward_fn.pool = type("Counting", (), {"score": staticmethod(counting)})()
+  reward_fn.pool = _counting(pool, calls)
   step = jax.jit(lambda t, n: reward_fn(t, n))
   r, c = step(jax.device_put(tokens, rows), jax.device_put(lengths, NamedSharding(mesh, P(("data", "fsdp")))))
   jax.block_until_ready((r, c))                          # the step is dispatched asynchronously
@@ -165,13 +167,7 @@ def test_metrics_cover_every_round_of_a_step(pool, caplog, shape):
   want = _expected(pool, tokens, lengths, examples, 2)
   reward_fn = make_reward_fn(pool, decode, group_size=2, mesh=mesh, gather_timeout_s=0.0)
   scored = []
-  score = pool.score
-
-  def counting(texts, *a, **k):
-    scored.append(len(texts))
-    return score(texts, *a, **k)
-
-  reward_fn.pool = type("Counting", (), {"score": staticmethod(counting)})()
+  reward_fn.pool = _counting(pool, scored)
   rows = NamedSharding(mesh, P(("data", "fsdp"), None))
   step = jax.jit(lambda t, n: reward_fn(t, n))
   for s in range(2):   # a second step starts afresh at set_batch
