@@ -120,3 +120,20 @@ def test_gpu_plan_target_is_parsed_and_refused_without_a_gpu():
     parse_topology("gpu:0")
   with pytest.raises(ConfigError, match="JAX_PLATFORMS=cuda"):   # this test process runs jax on the CPU
     parse_topology("gpu:1")
+
+
+def test_trl_part_rljax_config_validates_without_trl(tmp_path):
+  # The TRL comparison skips where trl is absent (here and in CI), so its rljax side's config is
+  # validated on its own: an earlier version named a source verifier no reward component used, and
+  # the GPU run was the first to find out.
+  sys.path.insert(0, SCRIPTS)
+  try:
+    import parts_trl
+  finally:
+    sys.path.remove(SCRIPTS)
+  from rljax.config.validation import validate
+  job = dict(prompts=2, group=4, words=8, new_tokens=8, steps=2, cpu=True, out=str(tmp_path),
+             model_dir=str(tmp_path / "model"), data=str(tmp_path / "prompts.jsonl"))
+  cfg = parts_trl.rljax_config(job)
+  validate(cfg)
+  assert cfg.data.sources[0]["verifier"] == "none" and cfg.rewards.components[0]["name"] == "vowels"

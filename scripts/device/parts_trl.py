@@ -113,13 +113,12 @@ def _compare(rec: Recorder, ctx: Context, check: str) -> None:
 # ---- the two sides, each in its own process ------------------------------------------------------
 
 
-def run_rljax(job: dict) -> dict:
-  import jax
-
+def rljax_config(job: dict):
+  """The rljax side's run config: the smoke recipe's `vowels` reward on the job's prompts and model."""
   from rljax.config_overrides import apply_overrides, load_config_file
-  from rljax.trainer.loop import Trainer
   cfg = load_config_file(os.path.join(ROOT, "rljax", "configs", "smoke.py"))
-  cfg.data.sources = [dict(kind="jsonl", path=job["data"], verifier="arithmetic", weight=1.0)]
+  # the prompts are only text to continue: the `vowels` component scores every row, so no source verifier
+  cfg.data.sources = [dict(kind="jsonl", path=job["data"], verifier="none", weight=1.0)]
   apply_overrides(cfg, [
       f"model.path={job['model_dir']!r}", f"tokenizer={job['model_dir']!r}",
       f"model.dtype={'float32' if job['cpu'] else 'bfloat16'!r}", "model.remat=True", "data.chat_template=False",
@@ -128,6 +127,14 @@ def run_rljax(job: dict) -> dict:
       "sampling.ignore_eos=True", "sampling.temperature=1.0", "optim.learning_rate=1e-6", "rl.kl_coef=0.0",
       f"train.steps={job['steps']}", f"output.dir={os.path.join(job['out'], 'rljax-run')!r}",
       "output.progress=False", "output.tensorboard=False", "checkpoint.every=0", "checkpoint.resume=False"])
+  return cfg
+
+
+def run_rljax(job: dict) -> dict:
+  import jax
+
+  from rljax.trainer.loop import Trainer
+  cfg = rljax_config(job)
   trainer = Trainer(cfg)
   steps = []
   try:
