@@ -72,7 +72,10 @@ def run_mode(mode: str, args, delay_s: float, steps: int, staleness: int = -1, p
           "sample": statistics.median(m["time/sample"] for m in timed),
           "score": statistics.median(m["time/score"] for m in timed),
           "update": statistics.median(m["time/update"] for m in timed),
-          "staleness": statistics.mean(m.get("rollout/staleness", 0.0) for m in timed)}
+          "staleness": statistics.mean(m.get("rollout/staleness", 0.0) for m in timed),
+          # async: each weight publish to the generator devices (bytes written over them, seconds)
+          "publishes": [(m["rollout/publish_bytes"], m["rollout/publish_s"]) for m in timed
+                        if m.get("rollout/publish_bytes")]}
 
 
 def main() -> None:
@@ -106,6 +109,12 @@ def main() -> None:
   for r in rows:
     print(f"{r['mode']:<50} {r['wall']:7.1f} {r['completions_per_s']:8.2f} {r['reward_per_s']:9.2f} "
           f"{r['reward_last']:7.3f} {r['sample']:7.2f} {r['score']:7.2f} {r['update']:7.2f} {r['staleness']:6.2f}")
+  for r in rows:
+    if r["publishes"]:
+      mib = statistics.median(b for b, _ in r["publishes"]) / 2**20
+      ms = statistics.median(t for _, t in r["publishes"]) * 1000
+      print(f"{r['mode']}: {len(r['publishes'])} weight publishes, {mib:.1f} MiB written to the generator "
+            f"devices and {ms:.1f} ms each (median)")
   fused, sequential = rows[0], rows[1]
   ratio = lambda r, base, key: f"{r[key] / base[key]:.2f}x"
   results = [Result(f"rollout mode {r['mode']}: completions/s (verifier {delay * 1000:.0f} ms/item)",

@@ -161,6 +161,9 @@ def test_lora_trains_in_every_rollout_mode(tmp_path, mode):
   if mode != "partial":   # partial trains groups as they finish; its first update may come later
     assert metrics[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
   assert metrics[-1]["kl_ref"] > 0
+  if mode == "async":   # step 1 reports the first publish (base and adapters) and its own (adapters), step 2 its own
+    size = lambda tree: 4 * 4 * sum(np.size(x) for x in jax.tree.leaves(tree))   # float32 on 4 generators
+    assert [m["rollout/publish_bytes"] for m in metrics] == [size(base0) + 2 * size(adapters0), size(adapters0)]
 
 
 def test_lora_resume_is_exact_and_checkpoints_hold_only_the_adapters(tmp_path):

@@ -130,8 +130,13 @@ def verifier_module(tmp_path, monkeypatch):
 def test_async_staleness_bound_holds_under_a_slow_learner(tmp_path):
   """Learner 8x slower (8 epochs per batch): the generators run ahead exactly to the bound, no further."""
   steps = 5
-  got, _, trainer = run_steps(smoke(tmp_path, "rollout.mode='async'", "rollout.max_staleness=2",
-                                    "rollout.sync_every=3", "train.epochs=8", f"train.steps={steps}"), steps)
+  got, params, trainer = run_steps(smoke(tmp_path, "rollout.mode='async'", "rollout.max_staleness=2",
+                                         "rollout.sync_every=3", "train.epochs=8", f"train.steps={steps}"), steps)
+  # Publishes: the first copy (reported by step 1) and the one after update 3 (sync_every=3), each
+  # the float32 parameters replicated on the 4 generator devices (the smoke model's decode layout).
+  copy = 4 * 4 * sum(x.size for x in jax.tree.leaves(params))
+  assert [m["rollout/publish_bytes"] for m in got] == [copy, 0, copy, 0, 0]
+  assert [m["rollout/publish_s"] > 0 for m in got] == [True, False, True, False, False]
   staleness = [m["rollout/staleness"] for m in got]
   assert max(staleness) <= 2
   assert 2 in staleness, staleness               # it did run ahead: the bound was what stopped it

@@ -24,6 +24,15 @@ from rljax.trainer.state import TrainState
 _POLL_S = 0.1           # how often a blocked thread checks for shutdown
 
 
+def device_bytes(tree) -> float:
+  """Bytes that a pytree of arrays holds over all its devices (a replicated leaf counts once per
+  device): what a publish writes to the generator devices."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    total += sum(shard.data.nbytes for shard in x.addressable_shards)
+  return float(total)
+
+
 class AsyncRollouts(Decoupled):
   """A generator thread and a scorer thread feed the learner through bounded queues (module doc)."""
 
@@ -44,6 +53,7 @@ class AsyncRollouts(Decoupled):
     self.sync_every = r.sync_every
     self.cond = threading.Condition()
     self._gen_base = None
+    self._publish_s = self._publish_bytes = 0.0   # publishes since the last step (rollout/publish_s, _bytes)
     self.published = (self.publish_params(state), self.version)
     self.to_score: queue.Queue = queue.Queue(maxsize=1)
     self.ready: queue.Queue = queue.Queue(maxsize=r.queue_size)
@@ -55,15 +65,22 @@ class AsyncRollouts(Decoupled):
   def publish_params(self, state: TrainState):
     """The learner's parameters, cast to the compute dtype where they are, then resharded onto the
     generator devices in the generators' decode layout (device to device). Under LoRA the frozen
-    base is copied once and only the adapters at each sync."""
+    base is copied once and only the adapters at each sync. Adds its wall seconds and the bytes it
+    wrote to the generator devices to the figures the next step reports."""
+    start = time.perf_counter()
     if state.frozen is None:
-      params = jax.device_put(self._cast(state.params), self.gen_param_shardings)
+      params = sent = jax.device_put(self._cast(state.params), self.gen_param_shardings)
     else:
       base_sh, adapter_sh = lora.split(self.gen_param_shardings)
       if self._gen_base is None:
         self._gen_base = jax.block_until_ready(jax.device_put(self._cast(state.frozen), base_sh))
-      params = lora.join(self._gen_base, jax.device_put(self._cast(state.params), adapter_sh))
-    return jax.block_until_ready(params)   # the learner's next update donates the source buffers
+        self._publish_bytes += device_bytes(self._gen_base)
+      sent = jax.device_put(self._cast(state.params), adapter_sh)
+      params = lora.join(self._gen_base, sent)
+    jax.block_until_ready(params)   # the learner's next update donates the source buffers
+    self._publish_s += time.perf_counter() - start
+    self._publish_bytes += device_bytes(sent)
+    return params
 
   def _start(self, feed) -> None:
     self.feed = feed
@@ -153,7 +170,10 @@ class AsyncRollouts(Decoupled):
         self.cond.notify_all()
     t2 = time.perf_counter()
     phases = {"sample": t1 - t0, "score": item.score_s, "update": t2 - t1}
-    return state, self.output(item, metrics, t2 - t0, phases, staleness, depth)
+    out = self.output(item, metrics, t2 - t0, phases, staleness, depth)
+    out.extra.update({"rollout/publish_s": self._publish_s, "rollout/publish_bytes": self._publish_bytes})
+    self._publish_s = self._publish_bytes = 0.0
+    return state, out
 
   def close(self) -> None:
     """Stops the threads; batches generated but never trained are counted in counts['batches_dropped']."""
