@@ -111,6 +111,10 @@ def test_a_crashing_or_hanging_part_keeps_its_rows_and_the_run_goes_on(tmp_path)
   assert crash["status"] == "error" and [r["check"] for r in crash["rows"]] == ["before the crash", "(crash)"]
   assert hang["status"] == "timeout" and [r["check"] for r in hang["rows"]] == ["before the hang", "(timeout)"]
   assert results["finished"] and "| selftest_hang | timeout |" in md
+  # No env part ran: the header still names the device and jax (from the orchestrator, without jax)
+  import importlib.metadata
+  header = md.splitlines()[0]
+  assert "(cpu)" in header and f"jax {importlib.metadata.version('jax')};" in header, header
   with open(os.path.join(out, "log.txt"), encoding="utf-8") as f:
     assert "this part crashes on purpose" in f.read()
 

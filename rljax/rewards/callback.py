@@ -338,7 +338,7 @@ class RewardFn:
                                                None if extra is None else extra[mine])
         results = {int(i): (float(rw), c) for i, rw, c in zip(new_rows, rewards, comps)}
       with self._cv:
-        r.results = dict(results)
+        r.results = dict(results)   # the rows it claimed, for later rounds waiting on this one
         if mine.any():
           self._publish(out, new_rows, rewards, r.start)
         r.scored = True
@@ -350,7 +350,7 @@ class RewardFn:
           if owner.error is not None:
             raise owner.error
           results[i] = owner.results[i]
-        r.results = results
+        r.results = results          # then every row it was given, its own and earlier rounds' claims
     except BaseException as e:  # noqa: BLE001 - re-raised in every waiting device's callback
       with self._cv:
         r.error = e

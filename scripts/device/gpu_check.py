@@ -193,7 +193,8 @@ def main(argv=None) -> int:
   work = tempfile.mkdtemp(prefix="rljax-device-check-")
   results = {"mode": "cpu" if args.cpu else "gpu", "started": datetime.datetime.now().isoformat(timespec="seconds"),
              "budget_s": budget, "host": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
-             "python": platform.python_version(), "install": _install_record(), "parts": [], "finished": False}
+             "python": platform.python_version(), "install": _install_record(), "device": _device_summary(args.cpu),
+             "parts": [], "finished": False}
   report.write(out, results)
   with open(os.path.join(out, "log.txt"), "a", encoding="utf-8") as log:
     for name, _, gpu_s, cpu_s in parts:
@@ -233,6 +234,25 @@ def main(argv=None) -> int:
   print(f"gpu_check: {len(results['parts'])} parts in {results['seconds']:.0f} s; not ok: {bad or 'none'}"
         + (f"; non-finite values: {nonfinite}" if nonfinite else ""))
   return 1 if bad else 0
+
+
+def _device_summary(cpu: bool) -> dict:
+  """The device and jax version for the results' header when the env part does not run (short
+  loans split runs by part), without importing jax here: this process must not hold the GPU."""
+  import importlib.metadata
+  try:
+    version = importlib.metadata.version("jax")
+  except importlib.metadata.PackageNotFoundError:
+    version = "?"
+  if cpu:
+    return {"platform": "cpu", "devices": 1, "device_kind": platform.processor() or platform.machine(), "jax": version}
+  try:
+    names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=30).stdout.split("\n")
+  except (OSError, subprocess.SubprocessError):
+    names = []
+  names = [n.strip() for n in names if n.strip()]
+  return {"platform": "gpu", "devices": len(names) or "?", "device_kind": names[0] if names else "?", "jax": version}
 
 
 def _install_record() -> dict:

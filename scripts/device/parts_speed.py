@@ -5,7 +5,7 @@ Options (gpu_check.py --option KEY=JSON): speed_rows_0.5b / speed_rows_1.5b: sam
 rows (default [16, 64, 256] on the GPU); learner_rows_0.5b / learner_rows_1.5b: the rows at which the
 update is timed too (default [64, 256]); speed_group (8), speed_prompt_len (128), speed_new_tokens (256),
 speed_repeats (2); plan_rows (64, the first configuration of speed_0.5b, whose peak memory the plan
-part compares with).
+part compares with); plan_measured_gib (that peak from an earlier run, when speed_0.5b is not in this one).
 """
 from __future__ import annotations
 
@@ -173,13 +173,18 @@ def plan_memory(rec: Recorder, ctx: Context) -> None:
     values["device_limit_gib"] = plan["topology"]["hbm_bytes"] / GIB
   label = f"rljax plan --topology {topology}, {'tiny stand-in' if ctx.cpu else 'Qwen2.5-0.5B shapes'}, {rows} rows"
   measured = None if ctx.cpu else _measured_peak(ctx.results_path)
+  given = ctx.options.get("plan_measured_gib")
   if ctx.cpu:
     rec.row(label, "ok", values, "the plan's sums (CPU compiler); the measured peak " + "needs a CUDA GPU")
     return
-  if measured is None:
-    rec.row(label, "fail", values, "no measured peak: speed_0.5b did not record its first configuration")
+  if measured is None and given is None:
+    rec.row(label, "fail", values, "no measured peak: speed_0.5b did not record its first configuration in this "
+            "run (name it in the same run, or pass an earlier run's peak_gib_so_far as --option plan_measured_gib=G)")
     return
   bound = max(values["plan_learner_gib"], values["plan_sampler_gib"] + values["plan_opt_state_gib"])
+  from_option = measured is None
+  measured = float(given) if from_option else measured
   values.update(measured_peak_gib=measured, measured_over_plan=measured / bound)
   rec.row(label, "ok", values, "plan: max(learner, sampler + optimizer state), every buffer live at once; "
-          "measured: XLA allocator peak (includes autotuning scratch)")
+          "measured: XLA allocator peak (includes autotuning scratch)"
+          + ("; the peak from --option plan_measured_gib (an earlier run's speed_0.5b)" if from_option else ""))

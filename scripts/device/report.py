@@ -29,7 +29,7 @@ def _cell(text: str) -> str:
 
 def markdown(results: dict) -> str:
   env = next((r["values"] for p in results["parts"] if p["name"] == "env" for r in p["rows"]
-              if r["check"] == "device"), {})
+              if r["check"] == "device"), None) or results.get("device") or {}
   device = (f"{env.get('devices', '?')} x {env.get('device_kind', '?')} ({env.get('platform', '?')})" if env
             else "device not recorded")
   lines = [f"rljax device check, {results['mode']} mode, started {results['started']}: {device}; "
