@@ -322,8 +322,10 @@ def test_async_plan_compiles_each_program_on_its_own_sub_mesh():
   assert plan["decode"]["rows_per_chip"] == 15          # 6 prompts x 5 samples over the generators' 2 chips
   t = plan["time"]
   assert t["split"] == {"generator_chips": 2, "learner_chips": 6, "overlapped": True}
-  assert t["step_s"] == pytest.approx(max(t["sample_s"], t["update"]["s"]))
+  assert t["step_s"] == pytest.approx(max(t["sample_s"], t["update"]["s"]))   # simulated chips: the publish is 0
+  assert t["publish"]["bytes_per_generator_chip"] == sampler["params_bytes"] and t["publish"]["s"] == 0.0
   assert any("generators' mesh" in n for n in plan["notes"])
   assert "split meshes: sampling on 2 chips, the update on 6" in render_text(plan)
+  assert "weight publish:" in render_text(plan)
   with pytest.raises(ConfigError, match="--program fused"):
     run_main(TINY + ["--config.rollout.mode=async", "--topology", "cpu:8", "--program", "fused"])

@@ -137,15 +137,20 @@ def make_plan(run: Run, topo: Topology, programs: Sequence[str] = ("sampler", "l
 def split_time(run: Run, topo: Topology, gen_shape: dict[str, int], learner_shape: dict[str, int], full, layout,
                kv: int, reports: list, chip: str | None, completion_tokens: float | None) -> dict:
   """The roofline estimate of an async step on split meshes: the sampler's phases on the generators'
-  chips, the update on the learner's, overlapped (the staleness bound lets the generators run a
-  batch ahead), so a step takes the longer of the two; tokens/s per chip and MFU over all chips."""
+  chips, the update (and its share of the weight publishes) on the learner's, overlapped (the
+  staleness bound lets the generators run a batch ahead), so a step takes the longer of the two;
+  tokens/s per chip and MFU over all chips."""
   gen = step_time(run, topo, gen_shape, full, layout, kv, reports, chip, completion_tokens)
   learn = step_time(run, topo, learner_shape, full, layout, kv, reports, chip, completion_tokens)
   chips_gen, chips_learn = math.prod(gen_shape.values()), math.prod(learner_shape.values())
   out = dict(learn)
   for key in ("prefill", "decode_token", "decode_s", "sample_s"):
     out[key] = gen[key]
-  out["step_s"] = max(gen["sample_s"], learn["update"]["s"])
+  rates = timing.ChipRates(**learn["rates"])
+  out["publish"] = timing.publish(layout.bytes_per_chip, chips_gen, chips_learn, run.config.rollout.sync_every,
+                                  rates)
+  # The learner publishes in its own thread, between updates: its side of a step includes it.
+  out["step_s"] = max(gen["sample_s"], learn["update"]["s"] + out["publish"]["s"] / out["publish"]["every"])
   chips = chips_gen + chips_learn
   rescale = learn["step_s"] * chips_learn / (out["step_s"] * chips)   # same tokens and FLOPs, other time x chips
   out["tokens_per_s_per_chip"] = learn["tokens_per_s_per_chip"] * rescale

@@ -137,6 +137,19 @@ def estimate(*, model, rates: ChipRates, chips: int, prompts: int, group: int, p
   }
 
 
+def publish(bytes_per_generator_chip: float, generator_chips: int, learner_chips: int, every: int,
+            rates: ChipRates) -> dict:
+  """An async weight publish (the learner's copy to every generator chip's decode layout) over the
+  interconnect: each generator chip receives its whole copy and the learner chips send
+  generator_chips copies between them, so it takes the larger of the two over one chip's link (a
+  lower bound, as the rest of the roofline). s = 0 where the chips share memory (no link); the
+  learner waits for it every `every` updates (rollout.sync_every)."""
+  sent = bytes_per_generator_chip * generator_chips / learner_chips
+  s = max(bytes_per_generator_chip, sent) / rates.link if rates.link else 0.0
+  return {"bytes_per_generator_chip": bytes_per_generator_chip, "bytes_per_learner_chip": sent, "s": s,
+          "every": every}
+
+
 def render(t: dict) -> list[str]:
   """Lines for `rljax plan`'s text report."""
   def ph(p):
@@ -152,5 +165,13 @@ def render(t: dict) -> list[str]:
       f"  step {t['step_s']:,.2f} s: {t['tokens_per_s_per_chip']:,.0f} generated tokens/s per chip, "
       f"MFU {100 * t['mfu']:.1f}%",
   ] + ([f"  split meshes: sampling on {t['split']['generator_chips']} chips, the update on "
-        f"{t['split']['learner_chips']}, overlapped: a step takes the longer of the two"] if t.get("split") else []) + [
+        f"{t['split']['learner_chips']}, overlapped: a step takes the longer of the two"] if t.get("split") else []) + (
+      [_publish_line(t["publish"])] if t.get("publish") else []) + [
       f"  left out: {what}" for what in t.get("left_out", [])]
+
+
+def _publish_line(p: dict) -> str:
+  what = f"  weight publish: {p['bytes_per_generator_chip'] / 2**30:,.2f} GiB to each generator chip"
+  if not p["s"]:
+    return what + " (chips sharing one host's memory: not timed)"
+  return what + f", {p['s'] * 1e3:,.2f} ms over the interconnect, every {p['every']} update(s), on the learner's side"
