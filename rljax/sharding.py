@@ -277,11 +277,11 @@ def choose_decode_layout(logical_axes_tree, shapes, mesh: Mesh, budget: int | No
   depth. shapes: arrays or ShapeDtypeStructs; dtype: the decode dtype (default each leaf's own)."""
   for fold in decode_folds(mesh):
     layout = DecodeLayout(fold)
-    held = _bytes_per_device(layout.shardings(logical_axes_tree, shapes, mesh), shapes, dtype)
+    held = bytes_per_device(layout.shardings(logical_axes_tree, shapes, mesh), shapes, dtype)
     if budget is None or held <= budget:
       return DecodeLayout(fold, bytes_per_chip=held, budget=budget)
   fallback = DecodeLayout(1, fallback=True)
-  held = _bytes_per_device(fallback.shardings(logical_axes_tree, shapes, mesh), shapes, dtype)
+  held = bytes_per_device(fallback.shardings(logical_axes_tree, shapes, mesh), shapes, dtype)
   return DecodeLayout(1, fallback=True, bytes_per_chip=held, budget=budget)
 
 
@@ -299,7 +299,7 @@ def decode_param_shardings(logical_axes_tree, shapes, mesh: Mesh, *, max_bytes_p
   return layout.shardings(logical_axes_tree, shapes, mesh)
 
 
-def _bytes_per_device(shardings, shapes, dtype=None) -> int:
+def bytes_per_device(shardings, shapes, dtype=None) -> int:
   """Bytes one device holds of `shapes` laid out by `shardings`."""
   total = 0
   for sh, x in zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes)):

@@ -176,7 +176,7 @@ def test_decode_param_shardings():
   assert "fsdp" in str(jax.tree.leaves(small)[0].spec) or any(
       "fsdp" in str(s.spec) for s in jax.tree.leaves(small))
   total = sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(shapes))
-  per_device = shd._bytes_per_device(out, shapes)
+  per_device = shd.bytes_per_device(out, shapes)
   assert total / 2 - 1 <= per_device < total            # about half the model per device on tensor=2
 
 

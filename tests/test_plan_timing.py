@@ -78,11 +78,10 @@ def test_completion_tokens_outside_the_budget_is_refused():
 def test_weight_publish_in_closed_form():
   """An async publish: each generator chip receives its copy, the learner chips send one copy per
   generator chip between them; the larger over one chip's link. No link (one host's memory): 0."""
-  rates = timing.ChipRates("test", flops=1e9, hbm=1e8, link=1e7, source="test")
-  assert timing.publish(2e6, 4, 4, 1, rates)["s"] == pytest.approx(2e6 / 1e7)       # receive = send
-  assert timing.publish(2e6, 2, 6, 1, rates)["s"] == pytest.approx(2e6 / 1e7)       # receiving bounds it
-  p = timing.publish(2e6, 6, 2, 3, rates)                                          # 2 senders, 6 copies
+  link = 1e7
+  assert timing.publish(2e6, 4, 4, 1, link)["s"] == pytest.approx(2e6 / 1e7)       # receive = send
+  assert timing.publish(2e6, 2, 6, 1, link)["s"] == pytest.approx(2e6 / 1e7)       # receiving bounds it
+  p = timing.publish(2e6, 6, 2, 3, link)                                          # 2 senders, 6 copies
   assert p["bytes_per_learner_chip"] == pytest.approx(6e6) and p["s"] == pytest.approx(6e6 / 1e7)
   assert p["every"] == 3
-  shared = timing.ChipRates("cpu", flops=1e9, hbm=1e8, link=None, source="host")
-  assert timing.publish(2e6, 4, 4, 1, shared)["s"] == 0.0
+  assert timing.publish(2e6, 4, 4, 1, None)["s"] == 0.0                           # one host's memory

@@ -146,9 +146,8 @@ def split_time(run: Run, topo: Topology, gen_shape: dict[str, int], learner_shap
   out = dict(learn)
   for key in ("prefill", "decode_token", "decode_s", "sample_s"):
     out[key] = gen[key]
-  rates = timing.ChipRates(**learn["rates"])
   out["publish"] = timing.publish(layout.bytes_per_chip, chips_gen, chips_learn, run.config.rollout.sync_every,
-                                  rates)
+                                  learn["rates"]["link"])
   # The learner publishes in its own thread, between updates: its side of a step includes it.
   out["step_s"] = max(gen["sample_s"], learn["update"]["s"] + out["publish"]["s"] / out["publish"]["every"])
   chips = chips_gen + chips_learn

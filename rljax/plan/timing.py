@@ -138,14 +138,15 @@ def estimate(*, model, rates: ChipRates, chips: int, prompts: int, group: int, p
 
 
 def publish(bytes_per_generator_chip: float, generator_chips: int, learner_chips: int, every: int,
-            rates: ChipRates) -> dict:
+            link: float | None) -> dict:
   """An async weight publish (the learner's copy to every generator chip's decode layout) over the
   interconnect: each generator chip receives its whole copy and the learner chips send
   generator_chips copies between them, so it takes the larger of the two over one chip's link (a
-  lower bound, as the rest of the roofline). s = 0 where the chips share memory (no link); the
-  learner waits for it every `every` updates (rollout.sync_every)."""
+  lower bound, as the rest of the roofline). link: one chip's interconnect bytes/s (ChipRates.link);
+  s = 0 where the chips share memory (None); the learner waits for it every `every` updates
+  (rollout.sync_every)."""
   sent = bytes_per_generator_chip * generator_chips / learner_chips
-  s = max(bytes_per_generator_chip, sent) / rates.link if rates.link else 0.0
+  s = max(bytes_per_generator_chip, sent) / link if link else 0.0
   return {"bytes_per_generator_chip": bytes_per_generator_chip, "bytes_per_learner_chip": sent, "s": s,
           "every": every}
 

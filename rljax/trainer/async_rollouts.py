@@ -12,6 +12,7 @@ import time
 
 import jax
 
+from rljax import sharding as shd
 from rljax.errors import RljaxError
 from rljax.models import lora
 from rljax.models.policy import param_logical_axes
@@ -22,15 +23,6 @@ from rljax.trainer.setup import generate_program
 from rljax.trainer.state import TrainState
 
 _POLL_S = 0.1           # how often a blocked thread checks for shutdown
-
-
-def device_bytes(tree) -> float:
-  """Bytes that a pytree of arrays holds over all its devices (a replicated leaf counts once per
-  device): what a publish writes to the generator devices."""
-  total = 0
-  for x in jax.tree.leaves(tree):
-    total += sum(shard.data.nbytes for shard in x.addressable_shards)
-  return float(total)
 
 
 class AsyncRollouts(Decoupled):
@@ -45,6 +37,14 @@ class AsyncRollouts(Decoupled):
     self.gen_layout = decode_layout_for(model, state.model_params(), mesh)
     shapes = jax.eval_shape(lambda p: decode_cast(model, p), state.model_params())
     self.gen_param_shardings = self.gen_layout.shardings(param_logical_axes(model), shapes, mesh)
+    # Bytes a publish writes over the generator devices (a replicated leaf once per device): under
+    # LoRA the base once, then the adapters at each publish.
+    written = lambda sh, x: float(mesh.devices.size * shd.bytes_per_device(sh, x))   # noqa: E731
+    if state.frozen is None:
+      self._base_bytes, self._sync_bytes = 0.0, written(self.gen_param_shardings, shapes)
+    else:
+      (base_sh, adapter_sh), (base, adapters) = lora.split(self.gen_param_shardings), lora.split(shapes)
+      self._base_bytes, self._sync_bytes = written(base_sh, base), written(adapter_sh, adapters)
     self._cast = jax.jit(lambda p: decode_cast(model, p))
     producer = SamplerProducer(generate_program(ctx.setup, mesh, decode_layout=self.gen_layout), mesh,
                                ctx.batch_rows)
@@ -69,17 +69,16 @@ class AsyncRollouts(Decoupled):
     wrote to the generator devices to the figures the next step reports."""
     start = time.perf_counter()
     if state.frozen is None:
-      params = sent = jax.device_put(self._cast(state.params), self.gen_param_shardings)
+      params = jax.device_put(self._cast(state.params), self.gen_param_shardings)
     else:
       base_sh, adapter_sh = lora.split(self.gen_param_shardings)
       if self._gen_base is None:
         self._gen_base = jax.block_until_ready(jax.device_put(self._cast(state.frozen), base_sh))
-        self._publish_bytes += device_bytes(self._gen_base)
-      sent = jax.device_put(self._cast(state.params), adapter_sh)
-      params = lora.join(self._gen_base, sent)
+        self._publish_bytes += self._base_bytes
+      params = lora.join(self._gen_base, jax.device_put(self._cast(state.params), adapter_sh))
     jax.block_until_ready(params)   # the learner's next update donates the source buffers
     self._publish_s += time.perf_counter() - start
-    self._publish_bytes += device_bytes(sent)
+    self._publish_bytes += self._sync_bytes
     return params
 
   def _start(self, feed) -> None:
