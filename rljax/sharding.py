@@ -368,6 +368,25 @@ def local_value(x: jax.Array) -> np.ndarray:
   return np.asarray(x.addressable_shards[0].data) if not x.is_fully_addressable else np.asarray(jax.device_get(x))
 
 
+def global_values(tree: Any) -> Any:
+  """The values (numpy) of a tree of replicated arrays, on every process, also on a process that
+  holds none of their devices (the generator process of an async run split by process: then one
+  host all-gather from the processes that do, so every process must call this at the same point).
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  if not all(isinstance(x, jax.Array) for x in leaves):
+    return jax.tree.map(np.asarray, tree)
+  everywhere = all({d.process_index for d in x.sharding.device_set} == set(range(jax.process_count()))
+                   for x in leaves)
+  if everywhere:
+    return treedef.unflatten([np.asarray(jax.device_get(x)) for x in leaves])
+  me = jax.process_index()
+  holds = all(any(d.process_index == me for d in x.sharding.device_set) for x in leaves)
+  mine = [np.asarray(jax.device_get(x)).tolist() for x in leaves] if holds else None
+  held = next(v for v in allgather_objects(mine) if v is not None)
+  return treedef.unflatten([np.asarray(v, x.dtype) for v, x in zip(held, leaves)])
+
+
 class ProcessRows:
   """The host side of a computation over [B, ...] arrays whose rows may span processes.
 

@@ -128,12 +128,13 @@ def test_pipelined_rollouts_across_two_processes_match_one_process(tmp_path, one
 def test_partial_rollouts_carry_groups_across_two_processes(tmp_path):
   """rollout.mode='partial' (a pool of 2 x the batch, a group may be trained one version late) on 2
   processes: each process keeps the pool of its own prompts on the rows its device holds, both
-  decode the segments together until each has its share of the groups complete, and each scores
-  its own rows. Every step trains a full batch that both processes scored, within the staleness
-  bound; unfinished groups are carried (completions end at geometric lengths: ~5% of the
+  decode the segments together until the batch's groups are complete over both, and each scores
+  the rows it trains. Every step trains a full batch that both processes scored, within the
+  staleness bound; unfinished groups are carried (completions end at geometric lengths: ~5% of the
   vocabulary stops) and their carried tokens and log-probs stay with their rows: the learner's
   lp_old, recomputed with parameters that barely moved, equals them. (Not compared with one
-  process: there one pool picks the batch's groups, here each process picks its share.)"""
+  process: with carried groups each process refills its own pool, so the joint pool's order is
+  not one process's after the first step; at max_staleness=0 it is, tested below.)"""
   stops = "[" + ",".join(map(str, range(100, 2600))) + "]"
   metrics, _ = _two_processes(tmp_path / "carry", "rollout.mode='partial'", "rollout.max_staleness=1",
                               "sampling.max_new_tokens=32", "train.prompts_per_step=4", "sampling.num_samples=4",
@@ -264,14 +265,16 @@ def test_a_stop_signal_on_one_process_stops_both_after_the_same_step(tmp_path):
   assert Checkpointer(os.path.join(out, "checkpoints"), read_only=True).latest_step() == step
 
 
-def test_sigterm_to_both_processes_then_a_restart_reproduces_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("mode", [(), ("rollout.mode='async'", "rollout.max_staleness=0")], ids=["fused", "async"])
+def test_sigterm_to_both_processes_then_a_restart_reproduces_an_uninterrupted_run(tmp_path, mode):
   """A pod preempted mid-run: SIGTERM to both processes stops them after the same step with one
   checkpoint; the same command on both resumes there, and the 6 steps' metrics and final
-  parameters equal those of a 2-process run that was never interrupted."""
+  parameters equal those of a 2-process run that was never interrupted. Also async across the
+  processes (generator on one, learner on the other; on-policy, so its batches are reproducible)."""
   import re
   import signal
   import time
-  steps = ("train.steps=6", "checkpoint.every=0")
+  steps = ("train.steps=6", "checkpoint.every=0", *mode)
   whole = _two_processes(tmp_path / "whole", *steps)
 
   out = tmp_path / "preempted"
@@ -304,3 +307,81 @@ def test_sigterm_to_both_processes_then_a_restart_reproduces_an_uninterrupted_ru
   assert p_resumed.keys() == p_whole.keys()
   for k in p_whole:
     np.testing.assert_array_equal(p_resumed[k], p_whole[k], err_msg=k)
+
+
+def test_async_across_two_processes_generator_on_one_learner_on_the_other(tmp_path):
+  """rollout.mode='async' with the generator on one process's device and the learner on the
+  other's: batches cross from the generator to the learner, and parameters back, through the
+  bridge (rljax/trainer/bridge.py). At max_staleness=0 it equals the same mode in one process with
+  two devices (one generator, one learner: the same programs on the same device counts, so equal
+  to the float32 bit here; parameters to 1e-6 to leave room for the collective's copy). At
+  max_staleness=1 (under LoRA) it trains within the bound, publishing every update, exports, and
+  a restart resumes from the checkpoint process 0 (a learner) saved."""
+  exact = ("rollout.mode='async'", "rollout.max_staleness=0")
+  single = tmp_path / "single"
+  _wait(_train(single, 2, {}, False, *exact))
+  (m_multi, p_multi), (m_single, p_single) = _two_processes(tmp_path / "exact", *exact), _results(single)
+  assert [m["step"] for m in m_multi] == [m["step"] for m in m_single] == [1, 2]
+  for m, s in zip(m_multi, m_single):
+    for key in ("reward/mean", "reward/std", "sampler/tokens", "verifier/items", "rollout/staleness"):
+      assert m[key] == s[key], (m["step"], key, m[key], s[key])
+    np.testing.assert_allclose(m["loss"], s["loss"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(m["grad_norm"], s["grad_norm"], rtol=1e-6)
+    assert m["verifier/scoring_processes"] == 1.0    # the generator process scored every row
+    assert m["rollout/publish_bytes"] == s["rollout/publish_bytes"] > 0
+  assert p_multi.keys() == p_single.keys()
+  for k in p_multi:
+    np.testing.assert_allclose(p_multi[k], p_single[k], atol=1e-6, err_msg=k)
+
+  # Under LoRA (the base crosses once, then the adapters), with the export written by process 0.
+  stale = tmp_path / "stale"
+  run = ("rollout.mode='async'", "rollout.max_staleness=1", "model.lora.rank=4", "model.lora.alpha=8.0",
+         "output.export_hf=True")
+  first, _ = _two_processes(stale, *run, "train.steps=4")
+  assert [m["step"] for m in first] == [1, 2, 3, 4]
+  adapters = first[1]["rollout/publish_bytes"]
+  assert first[0]["rollout/publish_bytes"] > 100 * adapters > 0   # step 1: the base, then the adapters twice
+  assert [m["rollout/publish_bytes"] for m in first[1:]] == [adapters] * 3
+  assert os.path.isfile(stale / "hf" / "model.safetensors") and os.path.isfile(stale / "peft" / "adapter_config.json")
+  resumed, _ = _two_processes(stale, *run, "train.steps=6")
+  assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]   # steps 5 and 6 appended by the restart
+  assert resumed[:4] == first
+  for m in resumed:
+    assert m["rollout/staleness"] in (0.0, 1.0) and m["rollout/staleness_0"] + m["rollout/staleness_1"] == 1.0
+    assert m["rollout/publish_bytes"] > 0 and math.isfinite(m["loss"])
+    assert m["verifier/items"] == first[0]["verifier/items"] > 0
+  assert first[0]["rollout/staleness"] == 0.0 and resumed[4]["rollout/staleness"] == 0.0   # a fresh start is on-policy
+
+
+def test_async_across_processes_refuses_a_process_on_both_sides(tmp_path):
+  """2 processes of 2 devices, rollout.generator_devices=1: the generator would take one of process
+  1's devices and the learner the other. Both processes stop before any model is built, naming the
+  field and the devices per process."""
+  port = _free_port()
+  workers = [_train(tmp_path / "mixed", 2, {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+                                            "JAX_PROCESS_ID": str(i)}, True,
+                    "rollout.mode='async'", "rollout.generator_devices=1") for i in range(2)]
+  try:
+    outputs = [w.communicate(timeout=300)[0] for w in workers]
+  finally:
+    for w in workers:
+      w.kill()
+  for w, out in zip(workers, outputs):
+    assert w.returncode != 0, out[-2000:]
+    assert "process 1's devices fall on both sides" in out and "rollout.generator_devices" in out, out[-2000:]
+    assert "multiple of the devices per process (2)" in out, out[-2000:]
+    assert not (tmp_path / "mixed" / "checkpoints").exists()
+
+
+def test_partial_rollouts_at_staleness_0_across_two_processes_match_one_process(tmp_path):
+  """rollout.mode='partial' at max_staleness=0 (no group outlives its call) with the batch split
+  over 2 processes equals the same mode in one process with two devices: the joint pool, the
+  stopping rule and the choice of groups are the one-process ones, and picked groups move to the
+  process that trains them (rljax/rollout/partial.py). Checked that a move happened: a step whose
+  first P/2 complete groups were not all process 0's."""
+  exact = ("rollout.mode='partial'", "rollout.max_staleness=0")
+  _wait(_train(tmp_path / "single", 2, {}, False, *exact))
+  multi = _two_processes(tmp_path / "multi", *exact)
+  _assert_match(multi, _results(tmp_path / "single"))
+  moved = [m["rollout/groups_moved"] for m in multi[0]]
+  assert sum(moved) > 0

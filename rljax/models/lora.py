@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from rljax.models.config import ModelConfig
 from rljax.models.policy import init_params
+from rljax.sharding import global_values
 
 _A, _B = "_lora_a", "_lora_b"
 
@@ -104,4 +105,4 @@ def fingerprint(base) -> float:
   """A cheap identity of the base weights (sum of |w| over every leaf, float32 on device): a
   checkpoint of adapters records it so that resuming or exporting onto another base is refused."""
   total = jax.jit(lambda t: sum(jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in jax.tree.leaves(t)))(base)
-  return float(total)
+  return float(global_values(total))   # also on a process that holds none of the base (async across processes)

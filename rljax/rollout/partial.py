@@ -25,12 +25,16 @@ an empty pool (counted in groups_dropped of the run that drops them: they are si
 trained).
 
 In a multi-process run each process keeps the pool of its own prompts (P / processes groups of
-the batch, times `oversample`), on the rows its devices hold; the segments are programs of the
-whole mesh, so the processes decode on together until every one of them has its share of complete
-groups (agreed after each segment). The rollout's rows are then each process's groups in process
-order, and its age the oldest group's over all processes. Which groups a step trains is decided
-per process, so a multi-process run does not repeat a one-process run's batches (one pool over
-all processes would have to move groups between them).
+the batch, times `oversample`), on the rows its devices hold; side by side, in process order, the
+pools are the one pool of a one-process run (the data is dealt in blocks of a process's share).
+The segments are programs of the whole mesh, and the rules are the one-process rules over that
+joint pool: the processes decode on until P groups are complete over all of them (agreed after
+each segment), the step trains the first P complete groups in joint pool order, and those move
+between processes (one host all-gather) so that each process trains its block of them, P /
+processes groups, on the rows its devices hold. Groups not trained stay in their own process's
+pool. At max_staleness=0, where no group outlives its call, a multi-process run therefore trains
+a one-process run's batches; with carried groups each process refills its own pool from its own
+prompts, so the joint pool's order departs from a one-process run's after the first call.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import dataclasses
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from rljax import sharding as shd
 from rljax.errors import ConfigError
@@ -97,12 +102,15 @@ class PartialProducer:
   def __call__(self, params, key, prompts) -> tuple[Rollout, RolloutInfo]:
     self._fill(prompts)
     segments_run, decode_steps = self._round(self.decode_copy(params), key)
-    groups = self._take()
+    picked, joint = self._take()
+    groups = self._share(picked, joint)
+    me = jax.process_index()
+    moved = sum(proc != me for proc, _ in joint[me * self.p:(me + 1) * self.p])
     self.counts["groups_trained"] += len(groups)
     here = {"age": self.calls - min(grp.born for grp in groups),
             "groups_carried": sum(not grp.complete for grp in self.pool), "groups_waiting": len(self.waiting),
             "rounds": sum(grp.rounds for grp in groups), "groups_dropped_total": self.counts["groups_dropped"],
-            "tokens_carried_total": self.counts["tokens_carried"]}
+            "tokens_carried_total": self.counts["tokens_carried"], "groups_moved": moved}
     every = shd.allgather_objects(here)          # each process's pool; the metrics cover all of them
     total = {k: sum(e[k] for e in every) for k in here}
     age = max(e["age"] for e in every)
@@ -114,6 +122,7 @@ class PartialProducer:
         "rollout/rounds_mean": total["rounds"] / (self.p * self.processes),
         "rollout/groups_dropped_total": float(total["groups_dropped_total"]),
         "rollout/tokens_carried_total": float(total["tokens_carried_total"]),
+        "rollout/groups_moved": float(total["groups_moved"]),   # trained by another process than drew them
     }
     self.calls += 1
     return self._rollout(groups), RolloutInfo(examples=[grp.example for grp in groups], data_state=self.data_state,
@@ -161,7 +170,8 @@ class PartialProducer:
       state = segments.segment(*static, params, state, key)
       run += 1
       done = rows.local(state.done).reshape(self.pool_size, g)
-      if not rows.any(not (done.all(1).sum() >= self.p or done.all())):    # every process has its groups
+      joint = rows.sum({"complete": int(done.all(1).sum()), "open": int(not done.all())})
+      if joint["complete"] >= self.p * self.processes or not joint["open"]:   # P groups over all processes
         break
     tok, lp, ent, n, stopped = rows.local(state.tokens, state.logprobs, state.entropy, state.n, state.stopped)
     count = shd.local_value(state.count)
@@ -172,9 +182,16 @@ class PartialProducer:
       grp.rounds += 1
     return run, int(count)
 
-  def _take(self) -> list[Group]:
-    """The P oldest complete groups leave the pool; carried groups too old to train are dropped."""
-    picked = [grp for grp in self.pool if grp.complete][:self.p]
+  def _take(self) -> tuple[list[Group], list[tuple[int, int]]]:
+    """The first P complete groups of the joint pool (the processes' pools in process order) leave
+    the pools; carried groups too old to train are dropped. Returns (this process's picked groups,
+    (process, pool position) of all P picked groups in joint order)."""
+    complete = [grp.complete for grp in self.pool]
+    every = shd.allgather_objects(complete)   # [complete] in a one-process run
+    joint = [(proc, i) for proc, flags in enumerate(every) for i, flag in enumerate(flags) if flag]
+    joint = joint[:self.p * self.processes]
+    me = jax.process_index()
+    picked = [self.pool[i] for proc, i in joint if proc == me]
     rest = [grp for grp in self.pool if not any(grp is q for q in picked)]
     # One update follows this call: a carried group would be at least calls + 1 - born versions old
     # when it is trained.
@@ -184,7 +201,38 @@ class PartialProducer:
     self.counts["groups_carried"] += len(carried)
     self.counts["tokens_carried"] += int(sum(grp.lengths.sum() for grp in carried))
     self.pool = keep
-    return picked
+    return picked, joint
+
+  def _share(self, picked: list[Group], joint: list[tuple[int, int]]) -> list[Group]:
+    """This process's block of the P picked groups (joint order; the whole of them in a one-process
+    run): groups picked from another process's pool come over in one host all-gather."""
+    if self.processes == 1:
+      return picked
+    me, total = jax.process_index(), len(joint)
+    arrays = ("tokens", "logprobs", "entropy", "lengths", "done", "stopped")
+    mine, template = {}, self._new_group(np.zeros(1, np.int32), np.ones(1, bool), {})
+    for name in arrays:   # [total, ...] with this process's picks first, zeros after
+      x = getattr(template, name)
+      block = np.zeros((total, *x.shape), x.dtype)
+      for k, grp in enumerate(picked):
+        block[k] = getattr(grp, name)
+      mine[name] = block
+    gathered = {name: np.asarray(multihost_utils.process_allgather(block)) for name, block in mine.items()}
+    meta = shd.allgather_objects([{"prompt": grp.prompt.tolist(), "example": grp.example, "born": grp.born,
+                                   "rounds": grp.rounds} for grp in picked])
+    rank, seen = {}, [0] * self.processes   # (process, pool position) -> its rank among that process's picks
+    for proc, i in joint:
+      rank[(proc, i)], seen[proc] = seen[proc], seen[proc] + 1
+    share = []
+    for proc, i in joint[me * self.p:(me + 1) * self.p]:
+      k = rank[(proc, i)]
+      if proc == me:
+        share.append(picked[k])
+        continue
+      m = meta[proc][k]
+      share.append(Group(prompt=np.asarray(m["prompt"], np.int32), example=m["example"], born=m["born"],
+                         rounds=m["rounds"], **{name: gathered[name][proc][k] for name in arrays}))
+    return share
 
   def _rollout(self, groups: list[Group]) -> Rollout:
     """The Rollout of P groups: rows prompt-major, prompts left-padded to `width`, split by rows."""

@@ -322,16 +322,17 @@ class Checkpointer:
                             "`rljax train ... --overwrite` to replace this one.")
     return bool(unused)
 
-  def _restore_state_item(self, step: int, target, partial: bool):
-    args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                  partial_restore=partial)
+  def _restore_state_item(self, step: int, target, partial: bool, as_numpy: bool = False):
+    restore_args = (jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target) if as_numpy
+                    else ocp.checkpoint_utils.construct_restore_args(target))
+    args = ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=partial)
     try:
       return self._mgr.restore(step, args=ocp.args.Composite(**{_STATE: args}))[_STATE]
     except Exception as e:  # orbax/tensorstore errors vary by version; name the checkpoint.
       raise CheckpointUnreadable(f"could not read the arrays of {self._step_dir(step)}: {type(e).__name__}: "
                                  f"{first_line(e)}") from e
 
-  def restore(self, step: int | None = None, *, abstract_state) -> tuple[Any, dict]:
+  def restore(self, step: int | None = None, *, abstract_state, as_numpy: bool = False) -> tuple[Any, dict]:
     """Restores (state, extras) of `step` (default: the latest readable one).
 
     `abstract_state` is the state's pytree of `jax.ShapeDtypeStruct`s (or arrays) whose `.sharding`
@@ -342,18 +343,19 @@ class Checkpointer:
     metadata or extras) is skipped with a warning naming it and why, and the previous complete one
     is restored; in a writable directory the skipped steps are moved to `<step>.rljax-unreadable`
     so that the run saves its next steps normally. An explicit `step` is never replaced by another.
+    `as_numpy`: host arrays instead (every process reads every array; the caller places them).
     """
     self.wait()
     target = as_abstract(abstract_state)
     if step is not None:
-      return self._restore_step(self._resolve_step(step), target)
+      return self._restore_step(self._resolve_step(step), target, as_numpy)
     steps = self.all_steps()
     if not steps:
       raise CheckpointError(self._no_checkpoint_message())
     skipped: list[tuple[int, CheckpointUnreadable]] = []
     for candidate in reversed(steps):
       try:
-        out = self._restore_step(candidate, target)
+        out = self._restore_step(candidate, target, as_numpy)
       except CheckpointUnreadable as e:
         skipped.append((candidate, e))
         continue
@@ -364,9 +366,9 @@ class Checkpointer:
                           + "; ".join(f"step {s}: {e}" for s, e in skipped)
                           + ". Start over (a new config.output.dir, or --overwrite), or restore the files.")
 
-  def _restore_step(self, step: int, target) -> tuple[Any, dict]:
+  def _restore_step(self, step: int, target, as_numpy: bool = False) -> tuple[Any, dict]:
     partial = self._check_target(step, target, allow_unused=("ref_params.",))
-    state = self._restore_state_item(step, target, partial)
+    state = self._restore_state_item(step, target, partial, as_numpy)
     return state, self._read_extras(step)
 
   def _skip_unreadable(self, skipped: list[tuple[int, CheckpointUnreadable]], used: int) -> None:

@@ -26,8 +26,11 @@ class PromptFeed:
   saves, so a resume draws the next batch.
   """
 
-  def __init__(self, batcher, pad_id: int = 0):
+  def __init__(self, batcher, pad_id: int = 0, agree_width: bool | None = None):
     self.batcher = batcher
+    # Processes that each hold rows of one global batch agree on its prompt width (one host
+    # all-gather); the generator process of an async run across processes holds all of them.
+    self.agree_width = jax.process_count() > 1 if agree_width is None else agree_width
     self.pad_id = pad_id
     self._batches = iter(batcher)
 
@@ -46,7 +49,7 @@ class PromptFeed:
   def next(self, sharding) -> Prompts:
     batch, data_state = self.next_host()
     ids, mask = np.asarray(batch.prompt_ids, np.int32), np.asarray(batch.prompt_mask, bool)
-    if jax.process_count() > 1:
+    if self.agree_width:
       # Each process pads its own prompts; the global array needs one width: the widest bucket.
       width = max(shd.allgather_objects(ids.shape[1]))
       left = ((0, 0), (width - ids.shape[1], 0))

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 
 from rljax import compile_stats, config as config_lib, sharding as shd
 from rljax.config.validation import check_batch_mesh
@@ -23,6 +24,7 @@ from rljax.rewards.routing import source_verifiers_from_data
 from rljax.rollout.tools import ToolRollout, TurnParams
 from rljax.tools import ToolRunner
 from rljax.trainer import rundir, setup as setup_lib
+from rljax.trainer.bridge import check_process_split
 from rljax.trainer.checkpoint import Checkpointer
 from rljax.trainer.feed import DataExhausted, PromptFeed, TrainingStopped
 from rljax.trainer.hooks import StepInfo, default_hooks
@@ -66,6 +68,14 @@ HOST_NAMESPACES = ("reward/", "verifier/", "info/", "time/", "throughput/", "per
                    "compile/")
 
 
+def _host_copy(x: jax.Array) -> np.ndarray:
+  """`x` on the host where this process holds it whole; elsewhere a zero-stride stand-in of its
+  shape (orbax writes host arrays from process 0 only)."""
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  return np.broadcast_to(np.zeros((), x.dtype), x.shape)
+
+
 class Trainer:
   """Owns a run: its train state, data position and metrics. `Trainer(config).run()` trains.
 
@@ -81,6 +91,8 @@ class Trainer:
     self.out_dir = config.output.dir
     self._setup_process()
     learner_devices, generator_devices = split_devices(config)
+    # async across processes: {process: "generator" | "learner"} (trainer/bridge.py), else None
+    self.process_sides = check_process_split(config, generator_devices, learner_devices)
     self.mesh = shd.make_mesh(tuple(config.mesh.shape), devices=learner_devices)
     check_batch_mesh(config, self.mesh, jax.process_count())
     self.generator_mesh = (shd.make_mesh(tuple(config.rollout.generator_mesh), devices=generator_devices,
@@ -151,11 +163,17 @@ class Trainer:
   def _setup_data(self):
     c = self.config
     pi, pc = jax.process_index(), jax.process_count()
+    if self.process_sides is not None:   # async across processes: the generator process reads every prompt
+      pi, pc = 0, 1
     if (c.train.prompts_per_step * self.oversample) % pc:
       raise ConfigError(f"config.train.prompts_per_step={c.train.prompts_per_step} must be divisible by the "
                         f"number of processes ({pc}).")
     data_cfg = c.data.to_dict()
     local_prompts = c.train.prompts_per_step * self.oversample // pc
+    if c.rollout.mode == "partial" and c.train.objective != "sft":
+      # The partial pool is drawn a whole pool at a time, so that the processes' pools side by side
+      # are one process's pool (rljax/rollout/partial.py).
+      local_prompts *= c.rollout.oversample
     self.train_data = build_dataset(data_cfg, split="train", process_index=pi, process_count=pc,
                                     shard_block=local_prompts)
     if c.train.objective == "sft":   # prompts with their target responses (rljax/objectives/sft_data.py)
@@ -166,7 +184,8 @@ class Trainer:
       self.batcher = PromptBatcher(self.train_data, self.tokenizer,
                                    prompts_per_batch=local_prompts,
                                    max_prompt_tokens=c.data.max_prompt_tokens, tools=self.prompt_tools)
-    self.feed = PromptFeed(self.batcher, pad_id=int(self.tokenizer.pad_id or 0))
+    self.feed = PromptFeed(self.batcher, pad_id=int(self.tokenizer.pad_id or 0),
+                           agree_width=jax.process_count() > 1 and self.process_sides is None)
     self.data_state = self.batcher.state()   # of the last batch trained on: what a checkpoint saves
     self.eval_data = None
     if c.eval.every or c.eval.before_and_after:
@@ -215,12 +234,16 @@ class Trainer:
       saved = self.state.saved()
       abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), saved,
                               self.state_shardings.saved())
-      restored, extras = self.ckpt.restore(abstract_state=abstract)
+      if self.process_sides is None:
+        restored, extras = self.ckpt.restore(abstract_state=abstract)
+      else:   # async across processes: host arrays (saved by process 0, a learner), placed on the learner
+        restored, extras = self.ckpt.restore(abstract_state=abstract, as_numpy=True)
+        restored = jax.device_put(restored, self.state_shardings.saved())
       self.state = restored.replace(frozen=self.state.frozen, teacher=self.state.teacher)
       self.feed.restore(_own_data_state(extras))
       self.data_state = self.batcher.state()
       self.history = extras.get("metrics", [])
-      self.start_step = int(self.state.step)
+      self.start_step = int(shd.global_values(self.state.step))
       log.info("resumed from %s at step %d", self.ckpt.directory, self.start_step)
 
   def _check_base(self, extras: dict) -> None:
@@ -471,8 +494,12 @@ class Trainer:
     if eval_metrics:
       metrics = {f"eval/{k}": v for k, v in eval_metrics.items() if isinstance(v, float)}
     # Under LoRA only the adapters and their optimizer state are saved; the base is config.model's.
-    self.ckpt.save(int(self.state.step), self.state.saved(), extras=extras, metrics=metrics,
-                   force=force)
+    saved = self.state.saved()
+    if self.process_sides is not None:
+      # Async across processes: orbax saves a jax.Array only when every process holds part of it, and
+      # the generator process holds none of the learner's. Process 0, a learner, saves host copies.
+      saved = jax.tree.map(_host_copy, saved)
+    self.ckpt.save(int(shd.global_values(self.state.step)), saved, extras=extras, metrics=metrics, force=force)
 
   def export(self) -> str:
     """The trained model as a Hugging Face directory, `<output.dir>/hf`; under LoRA the adapters

@@ -67,7 +67,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("async", "rljax.trainer.async_rollouts:AsyncRollouts",
          "generator and learner devices apart, batches streamed through bounded queues",
          max_staleness=None, default_staleness=1, own_fields=("generator_devices", "sync_every", "queue_size"),
-         splits_devices=True),
+         splits_devices=True, multi_process=True),
     Mode("partial", "rljax.trainer.rollouts:PartialRollouts",
          "a pool of groups decoded in segments; a step trains the first groups to finish, carries the rest",
          max_staleness=None, default_staleness=1, own_fields=("oversample",), multi_process=True),

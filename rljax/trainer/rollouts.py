@@ -108,6 +108,10 @@ class Scorer:
     self.pool = make_pool()
     self.reward_fn = make_reward_fn(self.pool)
     self._make_reward_fn = make_reward_fn
+    # Combine each batch's reward metrics over the processes (each scored its own rows); off where
+    # one process scores whole batches from a thread that must not start a collective (async
+    # across processes, trainer/async_rollouts.py).
+    self.combine_processes = True
 
   def restart(self) -> None:
     try:
@@ -133,7 +137,8 @@ class Scorer:
         self.restart()
     # Each process scored its own rows: the logged figures cover every process's (a host all-gather
     # in a multi-process run, so every process scores each batch once, in the same order).
-    metrics = summaries.combine_process_metrics(shd.allgather_objects(summaries.summary(out, rewards)))
+    summary = summaries.summary(out, rewards)
+    metrics = summaries.combine_process_metrics(shd.allgather_objects(summary) if self.combine_processes else [summary])
     metrics["rollout/score_attempts"] = float(attempt)
     return rewards, components, metrics
 
@@ -183,6 +188,10 @@ def split_devices(config, devices=None) -> tuple[list, list]:
         f"config.rollout.generator_devices={r.generator_devices} leaves no devices for "
         f"{'the generators' if n_gen <= 0 else 'the learner'} ({len(devices)} devices); the {r.mode} mode needs "
         "at least 2 devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8).")
+  if jax.process_count() > 1:
+    # Across processes the generators take the last devices (the last process's): process 0, which
+    # writes the metrics, the checkpoints and the export, then holds the learner's parameters.
+    return devices[:-n_gen], devices[-n_gen:]
   return devices[n_gen:], devices[:n_gen]
 
 
@@ -243,7 +252,7 @@ class Decoupled:
     self.steps = ctx.steps
     self.version = ctx.start_step      # parameter version of the learner's state (updates applied)
     self.next_index = ctx.start_step   # the next batch to generate
-    self.base_rng = np.asarray(jax.device_get(state.rng))   # constant: batch k is sampled with rollout_key(., k)
+    self.base_rng = shd.global_values(state.rng)   # constant: batch k is sampled with rollout_key(., k)
     self.learner_mesh = ctx.mesh
     self.generator_mesh = generator_mesh or ctx.mesh
     self.update = update_program(ctx.setup, ctx.mesh, ctx.state_shardings)
@@ -280,18 +289,24 @@ class Decoupled:
     return item
 
   def train(self, state: TrainState, item: Batch, rollout: Rollout) -> tuple[TrainState, dict, int]:
-    """The update on one scored batch; returns (state, device metrics, its staleness)."""
-    staleness = self.version - item.version
-    if not 0 <= staleness <= self.max_staleness:
-      raise RolloutError(f"batch {item.index} is {staleness} versions old, outside max_staleness="
-                         f"{self.max_staleness} (a bug in the scheduler).")
+    """The update on one scored batch; returns (state, host metrics, its staleness)."""
     n = rollout.tokens.shape[0]
     rows = lambda x: shd.rows_from_processes(x, shd.batch_sharding(self.learner_mesh, x.ndim, n), n)
-    rollout = rollout.with_rewards(rows(item.rewards), rows(item.components))
+    return self.train_scored(state, item.index, item.version, rollout.with_rewards(rows(item.rewards),
+                                                                                   rows(item.components)))
+
+  def train_scored(self, state: TrainState, index: int, version: int, rollout: Rollout
+                   ) -> tuple[TrainState, dict, int]:
+    """The update on batch `index`, generated with parameter version `version`, its rewards in
+    `rollout`; returns (state, host metrics, its staleness)."""
+    staleness = self.version - version
+    if not 0 <= staleness <= self.max_staleness:
+      raise RolloutError(f"batch {index} is {staleness} versions old, outside max_staleness="
+                         f"{self.max_staleness} (a bug in the scheduler).")
     state, metrics = self.update(state, rollout)
     self.version += 1
     self._counts["batches_trained"] += 1
-    return state, jax.device_get(metrics), staleness
+    return state, shd.global_values(metrics), staleness
 
   def rollout_metrics(self, staleness: int, queue_depth: int) -> dict[str, float]:
     """Per-step scheduler metrics; idle times are seconds spent waiting since the previous step."""
