@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from test_trainer import Trainer, read_metrics, smoke
 
-from rljax.trainer.evaluate import eval_main, summarize
+from rljax.trainer.evaluate import drop_common_padding, eval_main, summarize
 
 
 def test_rljax_eval_writes_consistent_metrics_and_per_example_results(tmp_path, capsys):
@@ -61,6 +61,44 @@ def test_shared_prefix_prefill_gives_the_same_completions(tmp_path, capsys):
   assert runs["plain"][0]["shared_prefix_tokens"] == 0
   assert [r["completions"] for r in runs["shared"][1]] == [r["completions"] for r in runs["plain"][1]]
   assert runs["shared"][0]["accuracy"] == runs["plain"][0]["accuracy"]
+
+
+def test_drop_common_padding_keeps_every_real_token_and_one_width():
+  ids = np.array([[0, 0, 7, 7, 0, 0, 0, 5], [0, 0, 7, 7, 0, 0, 4, 5], [0, 0, 7, 7, 0, 3, 4, 5]])
+  mask = ids > 0
+  # The first 4 columns stay as they are (a shared prefix); after them the longest row has 3 tokens.
+  trimmed, tmask = drop_common_padding(ids, mask, 4)
+  assert trimmed.tolist() == [[0, 0, 7, 7, 0, 0, 5], [0, 0, 7, 7, 0, 4, 5], [0, 0, 7, 7, 3, 4, 5]]
+  assert (tmask == (trimmed > 0)).all()
+  assert drop_common_padding(ids, mask, 4, width=8)[0].tolist() == ids.tolist()   # the full width
+  assert drop_common_padding(ids, mask, 4, width=6)[0].tolist() == ids.tolist()   # the rows do not fit in 6
+  assert drop_common_padding(ids, mask, 0)[0].tolist() == ids.tolist()   # padding between real tokens: kept
+  left = np.array([[0, 0, 0, 5], [0, 0, 4, 5]])
+  assert drop_common_padding(left, left > 0, 0)[0].tolist() == [[0, 5], [4, 5]]
+  right = np.array([[5, 0, 0], [4, 5, 0]])
+  assert drop_common_padding(right, right > 0, 0)[0].tolist() == right.tolist()   # right-padded: as given
+
+
+def test_dropping_common_padding_gives_the_same_completions(tmp_path, capsys, monkeypatch):
+  """Prompts padded to 96 columns: the evaluation drops the columns that are padding in every row,
+  and its greedy completions equal those of the padded prompts, on the real SmolLM2, with and
+  without the shared-prefix prefill."""
+  from rljax.trainer import evaluate
+  runs = {}
+  for trimmed in (True, False):
+    if not trimmed:
+      monkeypatch.setattr(evaluate, "drop_common_padding", lambda ids, mask, keep, width=None: (ids, mask))
+    for extra in ([], ["--no-shared-prefix"]):
+      out = tmp_path / f"{trimmed}{len(extra)}.jsonl"
+      rc = eval_main(["--data", "arithmetic", "--difficulty", "1", "--held-out-fraction", "0.5", "--num-examples",
+                      "8", "--max-new-tokens", "12", "--max-prompt-tokens", "96", "--batch-size", "8", "--quiet",
+                      "--out", str(out), *extra])
+      assert rc == 0
+      capsys.readouterr()
+      runs[trimmed, len(extra)] = [json.loads(x)["completions"] for x in out.read_text().splitlines()]
+  for shared in (0, 1):
+    assert runs[True, shared] == runs[False, shared]
+    assert len(runs[True, shared]) == 8
 
 
 def test_eval_rejects_unknown_procedural_settings(tmp_path):

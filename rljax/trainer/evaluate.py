@@ -30,6 +30,22 @@ DEFAULT_BATCH_ROWS = 128   # `rljax eval --batch-size`: completions decoded at o
 MIN_SHARED_PREFIX = 8
 
 
+def drop_common_padding(ids: np.ndarray, mask: np.ndarray, keep: int, width: int | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
+  """Prompts [P, Lp] (left-padded after their first `keep` columns, which stay) without the columns
+  after `keep` that are padding in every row: [P, width] when the rows fit in `width` (one compiled
+  program for every batch of an evaluation), else [P, Lp] as given; the narrowest that holds the
+  rows when `width` is None. A prompt's tokens keep their order and positions (positions count
+  real tokens), so the completions are those of the padded prompts up to float32 reordering."""
+  tail = int(mask[:, keep:].sum(1).max()) if mask.shape[1] > keep else 0
+  want = keep + tail if width is None else width
+  drop = ids.shape[1] - want
+  if want < keep + tail or drop <= 0 or mask[:, keep:keep + drop].any():   # (right-padded rows: as given)
+    return ids, mask
+  return (np.concatenate([ids[:, :keep], ids[:, keep + drop:]], 1),
+          np.concatenate([mask[:, :keep], mask[:, keep + drop:]], 1))
+
+
 @functools.lru_cache(maxsize=8)
 def _sample_fn(config, sp, shared_prefix: int = 0):
   """The jitted sampler of one model config and SamplingParams, kept: the trainer's evaluations
@@ -87,7 +103,7 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
   # The prompts' common leading tokens (a system prompt, few-shot examples) are prefilled once. The
   # first batch's count is kept for every batch (one compiled program); a batch sharing fewer goes plain.
   share = shared_prefix and tool_rollout is None and not records_routes(model_config)
-  shared_len = None
+  shared_len, trimmed_width = None, None
   if tool_rollout is None:
     run = lambda params, ids, mask, key, s: _sample_fn(model_config, sampling, s)(params, ids, mask, key)
   else:
@@ -111,6 +127,9 @@ def evaluate_policy(model_config, params, tokenizer, dataset, pool, *, num_examp
       shared_len = s if shared_len is None else shared_len
       if s:
         ids, mask = laid_ids, laid_mask
+    if tool_rollout is None:   # no prefill over columns that are padding in every row
+      ids, mask = drop_common_padding(ids, mask, s, trimmed_width)
+      trimmed_width = trimmed_width or ids.shape[1]
     key, sub = jax.random.split(key)
     start = time.perf_counter()
     with heartbeat.phase(f"{label}: generating {n * samples} completions"):
