@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -335,12 +336,50 @@ def allgather_objects(obj: Any) -> list[Any]:
   """
   if jax.process_count() == 1:
     return [obj]
+  client = _coordination_client()
+  if client is not None:
+    return _kv_allgather(client, json.dumps(obj, default=str))
   blob = np.frombuffer(json.dumps(obj, default=str).encode(), np.uint8)
   sizes = np.asarray(multihost_utils.process_allgather(np.asarray([blob.size], np.int64))).reshape(-1)
   padded = np.zeros(int(sizes.max()), np.uint8)
   padded[:blob.size] = blob
   gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
   return [json.loads(row[:size].tobytes().decode()) for row, size in zip(gathered, sizes)]
+
+
+# Host all-gathers go through jax.distributed's key-value store (the coordination service), not a
+# device program: a device all-gather waits for every device's queue, so in the async mode across
+# processes each one would wait for the generation in flight on the generator devices.
+GATHER_TIMEOUT_S = 3600
+_gathers = {"count": 0, "lock": threading.Lock()}
+
+
+def _coordination_client():
+  from jax._src import distributed
+  return getattr(distributed.global_state, "client", None)
+
+
+def _kv_allgather(client, blob: str) -> list[Any]:
+  """One round of `allgather_objects` through the key-value store: each process sets its key of
+  this round and reads every other's. Rounds are numbered by call order, which is the same on
+  every process (every process calls in the same order, as for a device collective); a process
+  deletes its key of two rounds back, which every process has read by the time this round starts."""
+  with _gathers["lock"]:
+    k = _gathers["count"]
+    _gathers["count"] += 1
+  me, n = jax.process_index(), jax.process_count()
+  key = lambda r, p: f"rljax/allgather/{r}/{p}"   # noqa: E731
+  client.key_value_set(key(k, me), blob)
+  out = []
+  for p in range(n):
+    try:
+      out.append(json.loads(client.blocking_key_value_get(key(k, p), GATHER_TIMEOUT_S * 1000)))
+    except Exception as e:  # noqa: BLE001 - the runtime's timeout error type varies by version
+      raise RuntimeError(f"process {p} did not reach host all-gather {k} within {GATHER_TIMEOUT_S} s "
+                         f"(this is process {me}): it stopped or hangs; see its log.") from e
+  if k >= 2:
+    client.key_value_delete(key(k - 2, me))
+  return out
 
 
 def local_rows(x: jax.Array) -> np.ndarray:

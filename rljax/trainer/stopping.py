@@ -226,12 +226,10 @@ def any_process_requested(step: int, requested_here: bool, deadline_s: float = 0
   `step`. Every process must call it after every step (it is an all-gather across processes);
   with deadline_s > 0 it first waits at most that long for every process to finish the step
   (`reached_step`)."""
-  import numpy as np
-  from jax.experimental import multihost_utils
+  from rljax.sharding import allgather_objects  # the key-value store: no device program to wait behind
   if deadline_s > 0:
     reached_step(step, deadline_s)
-  flags = multihost_utils.process_allgather(np.asarray([requested_here], np.int32))
-  return bool(np.asarray(flags).any())
+  return any(allgather_objects(bool(requested_here)))
 
 
 def _ignore(signum, frame) -> None:
