@@ -217,7 +217,7 @@ class PartialProducer:
       for k, grp in enumerate(picked):
         block[k] = getattr(grp, name)
       mine[name] = block
-    gathered = {name: np.asarray(multihost_utils.process_allgather(block)) for name, block in mine.items()}
+    gathered = jax.tree.map(np.asarray, multihost_utils.process_allgather(mine))   # one program for all six
     meta = shd.allgather_objects([{"prompt": grp.prompt.tolist(), "example": grp.example, "born": grp.born,
                                    "rounds": grp.rounds} for grp in picked])
     rank, seen = {}, [0] * self.processes   # (process, pool position) -> its rank among that process's picks

@@ -108,7 +108,7 @@ class AsyncRollouts(Decoupled):
     learner processes keep the bridge's handles, which they never read)."""
     if self.bridge is None:
       return jax.device_put(tree, shardings)
-    moved = self.bridge.move(tree, jax.eval_shape(lambda t: t, tree), "learner")
+    moved = self.bridge.move(tree, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree), "learner")
     return jax.device_put(moved, shardings) if self.side == "generator" else moved
 
   def _start(self, feed) -> None:

@@ -32,11 +32,7 @@ class Bridge:
   """
 
   def __init__(self, generator_devices, learner_devices):
-    if len(generator_devices) != len(learner_devices):
-      raise ConfigError(f"config.rollout.generator_devices: async across processes pairs each generator device "
-                        f"with a learner device, so the two parts need the same number of devices "
-                        f"({len(generator_devices)} generators, {len(learner_devices)} learner devices); set "
-                        f"rollout.generator_devices to half the devices.")
+    check_paired(generator_devices, learner_devices)
     self.n = len(generator_devices)
     self.pairs = Mesh(np.array([list(generator_devices), list(learner_devices)], dtype=object), ("side", "x"))
     self.side_mesh = {name: Mesh(np.array(list(devs), dtype=object), ("x",))
@@ -102,6 +98,15 @@ class Bridge:
     return treedef.unflatten(out)
 
 
+def check_paired(generator_devices, learner_devices) -> None:
+  """ConfigError unless the two parts can be paired device for device (the bridge's layout)."""
+  if len(generator_devices) != len(learner_devices):
+    raise ConfigError(f"config.rollout.generator_devices: async across processes pairs each generator device "
+                      f"with a learner device, so the two parts need the same number of devices "
+                      f"({len(generator_devices)} generators, {len(learner_devices)} learner devices); set "
+                      f"rollout.generator_devices to half the devices.")
+
+
 def _block(shape, index) -> tuple[int, ...]:
   """The shape of the block `index` (a tuple of slices) selects from an array of `shape`."""
   return tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape))
@@ -135,8 +140,7 @@ def check_process_split(config, generator_devices, learner_devices) -> dict[int,
     raise ConfigError(f"config.rollout.generator_devices: async across processes runs the generators in one process "
                       f"for now (these settings put them on processes {generators}); give them one process's "
                       f"devices ({jax.local_device_count()}).")
-  if len(generator_devices) != len(learner_devices):
-    Bridge(generator_devices, learner_devices)   # raises, naming the counts
+  check_paired(generator_devices, learner_devices)
   if config.eval.every or config.eval.before_and_after:
     raise ConfigError("async across processes: the evaluation inside the run decodes on every process, and the "
                       "generator process holds none of the learner's parameters. Set eval.every=0 and "

@@ -23,7 +23,7 @@ from rljax.rewards import RewardPool, RewardSpec, make_reward_fn
 from rljax.rewards.routing import source_verifiers_from_data
 from rljax.rollout.tools import ToolRollout, TurnParams
 from rljax.tools import ToolRunner
-from rljax.trainer import rundir, setup as setup_lib
+from rljax.trainer import modes, rundir, setup as setup_lib
 from rljax.trainer.bridge import check_process_split
 from rljax.trainer.checkpoint import Checkpointer
 from rljax.trainer.feed import DataExhausted, PromptFeed, TrainingStopped
@@ -170,10 +170,8 @@ class Trainer:
                         f"number of processes ({pc}).")
     data_cfg = c.data.to_dict()
     local_prompts = c.train.prompts_per_step * self.oversample // pc
-    if c.rollout.mode == "partial" and c.train.objective != "sft":
-      # The partial pool is drawn a whole pool at a time, so that the processes' pools side by side
-      # are one process's pool (rljax/rollout/partial.py).
-      local_prompts *= c.rollout.oversample
+    if modes.get(c.rollout.mode).draws_pool and c.train.objective != "sft":
+      local_prompts *= c.rollout.oversample   # a whole pool per draw (trainer/modes.py)
     self.train_data = build_dataset(data_cfg, split="train", process_index=pi, process_count=pc,
                                     shard_block=local_prompts)
     if c.train.objective == "sft":   # prompts with their target responses (rljax/objectives/sft_data.py)

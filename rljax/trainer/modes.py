@@ -30,6 +30,8 @@ class Mode:
   own_fields: config.rollout fields that only this mode reads (others must leave them at their
     defaults).
   splits_devices: generators and the learner run on separate devices (rollout.generator_devices).
+  draws_pool: its producer draws prompts a pool at a time (rollout.oversample x a step's prompts),
+    so that in a multi-process run the processes' pools side by side are one process's pool.
   """
   name: str
   runner: str
@@ -41,6 +43,7 @@ class Mode:
   tools: bool = False
   own_fields: tuple[str, ...] = ()
   splits_devices: bool = False
+  draws_pool: bool = False
 
   @property
   def on_policy_only(self) -> bool:
@@ -70,7 +73,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          splits_devices=True, multi_process=True),
     Mode("partial", "rljax.trainer.rollouts:PartialRollouts",
          "a pool of groups decoded in segments; a step trains the first groups to finish, carries the rest",
-         max_staleness=None, default_staleness=1, own_fields=("oversample",), multi_process=True),
+         max_staleness=None, default_staleness=1, own_fields=("oversample",), multi_process=True,
+         draws_pool=True),
 )}
 
 
