@@ -35,6 +35,7 @@ from benchlib import Result, machine, markdown  # noqa: E402
 BENCHMARKS = (
     ("forward", "bench_forward.py", ()),
     ("generate", "bench_generate.py", ()),
+    ("token draw", "bench_draw.py", ()),
     ("evaluation", "bench_eval.py", ()),
     ("rewards", "bench_rewards.py", ()),
     ("logprobs memory", "bench_logprobs_memory.py", ()),

@@ -338,6 +338,36 @@ def test_greedy_and_k1_agree():
   np.testing.assert_array_equal(np.asarray(k1), np.asarray(g))
 
 
+@pytest.mark.parametrize("kw", [{"top_p": 0.9}, {"top_k": 50}, {"top_k": 50, "top_p": 0.9}])
+def test_truncated_draw_compiles_a_top_k_not_a_sort_of_the_vocabulary(kw):
+  # XLA:CPU rewrote the candidates' top-k into a sort of every row (0.98 s instead of 0.12 s per
+  # draw of 128 x 49152 at top_p=0.9); `_Vocab.top_k` keeps the TopK call behind a barrier.
+  sp = SamplingParams(1, 1, **kw)
+  hlo = jax.jit(lambda x: sample_logits(x, sp, jax.random.key(0))).lower(jnp.zeros((8, 4096))).compile().as_text()
+  assert "TopK" in hlo or jax.default_backend() != "cpu"
+  assert " sort(" not in hlo
+
+
+def test_first_argmax_is_jnp_argmax_with_ties_and_a_ragged_last_block():
+  # The two-level argmax of the greedy draw must pick exactly jnp.argmax's index: the first of
+  # tied maxima (within a block and across blocks), 0 for a row of -inf.
+  v = 1000   # 3 blocks of 256 and a ragged fourth
+  rng = np.random.default_rng(0)
+  x = rng.normal(0, 1, (7, v)).astype(np.float32)
+  x[1, [5, 700]] = 9.0                # tie across blocks: the first
+  x[2, [300, 301]] = 9.0              # tie inside a block
+  x[3, 999] = 9.0                     # the max in the padded last block
+  x[4, [10, 600]] = [50.0, 50.0]     # a tie in the first block and a later one
+  x[5] = -np.inf
+  x[6, 256] = 9.0                     # the first column of a block
+  got = np.asarray(jax.jit(draw.first_argmax)(jnp.asarray(x)))
+  np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+  np.testing.assert_array_equal(got[1:4], [5, 300, 999])
+  assert got.dtype == np.int32
+  small = rng.normal(0, 1, (3, 40)).astype(np.float32)    # one level below two blocks
+  np.testing.assert_array_equal(np.asarray(draw.first_argmax(jnp.asarray(small))), small.argmax(-1))
+
+
 @pytest.mark.parametrize("t", [1, 3])
 def test_shared_prefix_attention_equals_fanned_out_cache(t):
   """Attention of T new tokens per row over a prompt cache shared by each group of G rows equals
