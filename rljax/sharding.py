@@ -15,6 +15,7 @@ import json
 import math
 import os
 import threading
+import time
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -328,17 +329,19 @@ def maybe_initialize_distributed(enabled: bool | None = None, **kwargs) -> bool:
   return True
 
 
-def allgather_objects(obj: Any) -> list[Any]:
+def allgather_objects(obj: Any, timeout_s: float = 0.0) -> list[Any]:
   """Every process's JSON-able `obj`, in process order (a host-side all-gather; [obj] on one process).
 
   Small things only (it is one host collective per call, and every process must call it): the
   reward metrics of each process (`RewardFn.global_metrics`), a prompt width to agree on.
+  timeout_s: how long to wait for the other processes (0: GATHER_TIMEOUT_S); past it, a
+  `GatherTimeout` names the processes that had not arrived.
   """
   if jax.process_count() == 1:
     return [obj]
   client = _coordination_client()
   if client is not None:
-    return _kv_allgather(client, json.dumps(obj, default=str))
+    return _kv_allgather(client, json.dumps(obj, default=str), timeout_s or GATHER_TIMEOUT_S)
   blob = np.frombuffer(json.dumps(obj, default=str).encode(), np.uint8)
   sizes = np.asarray(multihost_utils.process_allgather(np.asarray([blob.size], np.int64))).reshape(-1)
   padded = np.zeros(int(sizes.max()), np.uint8)
@@ -354,31 +357,49 @@ GATHER_TIMEOUT_S = 3600
 _gathers = {"count": 0, "lock": threading.Lock()}
 
 
+class GatherTimeout(RuntimeError):
+  """Some processes did not reach a host all-gather in time: `missing`, their process indices."""
+
+  def __init__(self, message: str, missing: list[int]):
+    super().__init__(message)
+    self.missing = missing
+
+
 def _coordination_client():
   from jax._src import distributed
   return getattr(distributed.global_state, "client", None)
 
 
-def _kv_allgather(client, blob: str) -> list[Any]:
+def _kv_allgather(client, blob: str, timeout_s: float) -> list[Any]:
   """One round of `allgather_objects` through the key-value store: each process sets its key of
-  this round and reads every other's. Rounds are numbered by call order, which is the same on
-  every process (every process calls in the same order, as for a device collective); a process
-  deletes its key of two rounds back, which every process has read by the time this round starts."""
+  this round and reads every other's, within `timeout_s` in all. Rounds are numbered by call order,
+  which is the same on every process (every process calls in the same order, as for a device
+  collective); a process deletes its key of two rounds back, which every process has read by the
+  time this round starts."""
   with _gathers["lock"]:
     k = _gathers["count"]
     _gathers["count"] += 1
   me, n = jax.process_index(), jax.process_count()
-  key = lambda r, p: f"rljax/allgather/{r}/{p}"   # noqa: E731
-  client.key_value_set(key(k, me), blob)
+  prefix = f"rljax/allgather/{k}/"
+  client.key_value_set(prefix + str(me), blob)
+  deadline = time.monotonic() + timeout_s
   out = []
   for p in range(n):
     try:
-      out.append(json.loads(client.blocking_key_value_get(key(k, p), GATHER_TIMEOUT_S * 1000)))
+      out.append(json.loads(client.blocking_key_value_get(prefix + str(p),
+                                                          max(int((deadline - time.monotonic()) * 1000), 1))))
     except Exception as e:  # noqa: BLE001 - the runtime's timeout error type varies by version
-      raise RuntimeError(f"process {p} did not reach host all-gather {k} within {GATHER_TIMEOUT_S} s "
-                         f"(this is process {me}): it stopped or hangs; see its log.") from e
+      arrived = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get(prefix)}
+      missing = [q for q in range(n) if str(q) not in arrived]
+      if not missing:
+        raise
+      raise GatherTimeout(f"process(es) {missing} of {n} did not reach host all-gather {k} within {timeout_s:g} s "
+                          f"(this is process {me}): they stopped or hang; see their logs.", missing) from e
   if k >= 2:
-    client.key_value_delete(key(k - 2, me))
+    try:
+      client.key_value_delete(f"rljax/allgather/{k - 2}/{me}")
+    except Exception:  # noqa: BLE001 - a key already gone is not worth failing a step for
+      pass
   return out
 
 

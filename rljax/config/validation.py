@@ -130,8 +130,8 @@ def _validate_run_control(c: ml_collections.ConfigDict) -> None:
   parse_signals(signals)
   d = c.train.process_deadline_s
   if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < float("inf"):
-    raise ConfigError(f"config.train.process_deadline_s={d!r} must be a number of seconds >= 0 (0 = wait forever "
-                      "for the other processes at the end of a step).")
+    raise ConfigError(f"config.train.process_deadline_s={d!r} must be a number of seconds >= 0 (0 = no deadline: "
+                      "the end-of-step agreement then waits up to an hour for the other processes).")
   w = c.output.wandb
   if w.mode not in WANDB_MODES:
     raise ConfigError(f"config.output.wandb.mode={w.mode!r} is not one of {WANDB_MODES}.")

@@ -350,7 +350,8 @@ class _ShardedVocab(_Vocab):
 
   def argmax(self, x):
     """The first index of the row max over the whole vocabulary (as jnp.argmax)."""
-    m, i = jnp.max(x, axis=-1), first_argmax(x) + self.offset
+    local = first_argmax(x)
+    m, i = jnp.take_along_axis(x, local[:, None], axis=-1)[:, 0], local + self.offset   # this shard's max
     ms, is_ = jax.lax.all_gather(m, self.axis), jax.lax.all_gather(i, self.axis)   # [n, B]
     return jnp.take_along_axis(is_, jnp.argmax(ms, axis=0)[None], axis=0)[0].astype(jnp.int32)
 

@@ -23,20 +23,18 @@ with one checkpoint they all wrote. Work that may end early on one process (`che
 evaluation) is not cut short in a multi-process run: that would leave the others in a
 collective. Without `agree` the handlers are installed only in single-process runs.
 
-Before that all-gather each process announces the step it finished in the coordinator's key-value
-store and waits, at most `train.process_deadline_s`, for the others' announcements
-(`reached_step`): a process that hangs or died is named in a `ProcessDeadline` error on the
-others, instead of every process waiting in the collective forever.
+That all-gather goes through the coordinator's key-value store, not a device collective, and
+waits at most `train.process_deadline_s` for the others' flags (`reached_step` is the same round
+without a flag): a process that hangs or died is named in a `ProcessDeadline` error on the others,
+instead of every process waiting in a collective forever.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import signal
 import sys
 import threading
-import time
 from typing import Callable, Sequence
 
 from rljax.errors import ConfigError, RljaxError
@@ -179,57 +177,39 @@ class ProcessDeadline(RljaxError):
   """Some processes of a multi-process run did not finish a step within train.process_deadline_s."""
 
 
-# One key per process per call: the loop may agree twice on one step (after the last step, then at
-# the end of the run), and every process makes the same calls in the same order (a collective follows).
-_STEP_KEY = "rljax/step_done/{round}/{process}"
-_ROUNDS = itertools.count()
-
-
-def reached_step(step: int, deadline_s: float, client=None) -> None:
+def reached_step(step: int, deadline_s: float) -> None:
   """Announces that this process finished `step` and waits, at most `deadline_s` seconds, until
-  every process has; raises ProcessDeadline naming the processes that had not. Uses the
-  `jax.distributed` coordinator's key-value store (no device collective, so it can time out).
-  client: the distributed runtime client (default: this process's)."""
-  import jax
-  if client is None:
-    from jax._src import distributed
-    client = distributed.global_state.client
-  count, me = jax.process_count(), jax.process_index()
-  round_ = next(_ROUNDS)
-  client.key_value_set(_STEP_KEY.format(round=round_, process=me), "1")
-  deadline = time.monotonic() + deadline_s
-  missing: list[int] = []
-  for other in range(count):
-    left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-    try:
-      client.blocking_key_value_get(_STEP_KEY.format(round=round_, process=other), left_ms)
-    except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED from the runtime: count who is missing
-      done = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get(f"rljax/step_done/{round_}/")}
-      missing = [p for p in range(count) if str(p) not in done]
-      break
-  if round_ >= 2:   # the store keeps every key: drop this process's own of two rounds ago
-    try:
-      client.key_value_delete(_STEP_KEY.format(round=round_ - 2, process=me))
-    except Exception:  # noqa: BLE001 - a key already gone is not worth failing a step for
-      pass
-  if missing:
-    raise ProcessDeadline(
-        f"process(es) {missing} of {count} did not finish step {step} within "
-        f"train.process_deadline_s={deadline_s:g} s (this is process {me}). A process that hangs or died is the "
-        "cause: read its own log. One that is only slower (work on it alone, a slow host) needs a larger "
-        "--config.train.process_deadline_s (0 waits forever). This process stops without saving step "
-        f"{step}; a restart resumes from the last complete checkpoint.")
+  every process has; raises ProcessDeadline naming the processes that had not. A host all-gather
+  through the `jax.distributed` coordinator's key-value store (no device collective, so it can time
+  out)."""
+  _step_round(step, True, deadline_s)
 
 
 def any_process_requested(step: int, requested_here: bool, deadline_s: float = 0.0) -> bool:
   """The `agree` of a multi-process run: whether a stop signal reached any process by the end of
   `step`. Every process must call it after every step (it is an all-gather across processes);
-  with deadline_s > 0 it first waits at most that long for every process to finish the step
-  (`reached_step`)."""
-  from rljax.sharding import allgather_objects  # the key-value store: no device program to wait behind
-  if deadline_s > 0:
-    reached_step(step, deadline_s)
-  return any(allgather_objects(bool(requested_here)))
+  with deadline_s > 0 the all-gather waits at most that long for every process to finish the step
+  (as `reached_step`)."""
+  return any(_step_round(step, bool(requested_here), deadline_s))
+
+
+def _step_round(step: int, value, deadline_s: float) -> list:
+  """Every process's `value` at the end of `step` (one key-value store round: no device program to
+  wait behind), within deadline_s seconds when it is > 0, else ProcessDeadline."""
+  import jax
+
+  from rljax.sharding import GatherTimeout, allgather_objects
+  try:
+    return allgather_objects(value, timeout_s=deadline_s)
+  except GatherTimeout as e:
+    if deadline_s <= 0:
+      raise
+    raise ProcessDeadline(
+        f"process(es) {e.missing} of {jax.process_count()} did not finish step {step} within "
+        f"train.process_deadline_s={deadline_s:g} s (this is process {jax.process_index()}). A process that hangs "
+        "or died is the cause: read its own log. One that is only slower (work on it alone, a slow host) needs a "
+        "larger --config.train.process_deadline_s (0: no deadline). This process stops without saving step "
+        f"{step}; a restart resumes from the last complete checkpoint.") from None
 
 
 def _ignore(signum, frame) -> None:
