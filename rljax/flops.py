@@ -112,14 +112,16 @@ def matmul_peak(size: int = 1024, dtype=jnp.float32, iters: int = 5, device=None
   return 2 * size**3 / timed(lambda: f(a, b).block_until_ready(), iters, reduce)
 
 
-def matmul_rates(size: int = 1024, dtype=jnp.float32, iters: int = 10, device=None) -> tuple[float, float]:
-  """(best wall-clock rate, best CPU-time rate) in FLOP/s of a jitted [size, size] @ [size, size] matmul.
+def matmul_rates(size: int = 1024, dtype=jnp.float32, rounds: int = 8, device=None,
+                 min_round_s: float = 0.025) -> tuple[float, float]:
+  """(best wall-clock rate, CPU-time rate) in FLOP/s of a jitted [size, size] @ [size, size] matmul.
 
   The CPU-time rate is FLOPs over this process's CPU seconds, times the cores it may use: the
   rate the matmul runs at while it has the cores. Other processes on a busy machine take wall time
   from it, not CPU time, so this rate holds up under load where the wall-clock one falls (2 cores,
-  load 11: 21-28 GFLOP/s by the wall clock, 153-197 by CPU time, 211 measured quiet). Threads
-  that spin while waiting count as CPU time, so it errs low, never high.
+  load 11: 21-28 GFLOP/s by the wall clock, 153-197 by CPU time, 211 measured quiet). Each of
+  `rounds` rounds runs back-to-back matmuls for at least `min_round_s`; see `rates_from_rounds`
+  for how the rounds are reduced.
   """
   device = device or jax.local_devices()[0]
   k1, k2 = jax.random.split(jax.random.key(0))
@@ -127,17 +129,35 @@ def matmul_rates(size: int = 1024, dtype=jnp.float32, iters: int = 10, device=No
   b = jax.device_put(jax.random.normal(k2, (size, size), dtype), device)
   f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=dtype))
   f(a, b).block_until_ready()
+  start = time.perf_counter()
+  f(a, b).block_until_ready()
+  reps = max(1, math.ceil(min_round_s / max(time.perf_counter() - start, 1e-6)))
   try:
     cores = len(os.sched_getaffinity(0))
   except (AttributeError, OSError):
     cores = os.cpu_count() or 1
-  wall = cpu = math.inf
-  for _ in range(iters):
+  walls, cpus = [], []
+  for _ in range(rounds):
     w0, c0 = time.perf_counter(), time.process_time()
-    f(a, b).block_until_ready()
-    wall, cpu = min(wall, time.perf_counter() - w0), min(cpu, time.process_time() - c0)
-  flop = 2 * size**3
-  return flop / max(wall, 1e-12), flop * cores / max(cpu, 1e-12)
+    for _ in range(reps):
+      out = f(a, b)
+    out.block_until_ready()
+    walls.append((time.perf_counter() - w0) / reps)
+    cpus.append((time.process_time() - c0) / reps)
+  return rates_from_rounds(2 * size**3, walls, cpus, cores)
+
+
+def rates_from_rounds(flop: float, walls, cpus, cores: int) -> tuple[float, float]:
+  """(flop / the fastest round's wall seconds, flop * cores / the median round's CPU seconds).
+
+  Load only ever slows a round by the wall clock, so the fastest is the machine's rate. CPU time
+  can read low as well as high: a worker thread's latest slice may not be accounted yet when it is
+  read (here one 1024^3 matmul in six read 5.4 ms of CPU for the usual 9.1 ms, and the minimum
+  over ten once cached a 919 GFLOP/s "peak" for 2 cores that run 470 at most), so the median of
+  rounds long enough to dwarf that lag is taken. Threads that spin while waiting count as CPU
+  time, so on a busy machine this rate errs low.
+  """
+  return flop / max(min(walls), 1e-12), flop * cores / max(statistics.median(cpus), 1e-12)
 
 
 PEAK_ENV = "RLJAX_PEAK_FLOPS"        # a peak FLOP/s (all devices together) to use instead of a figure found here
@@ -165,7 +185,9 @@ def _cpu_name() -> str:
 
 
 def _cache_key(kind: str, dtype_name: str) -> str:
-  return f"{kind}|{_cpu_name()}|{os.cpu_count()} cores|{dtype_name}|jax {jax.__version__}"
+  # "median": figures cached before rates_from_rounds took the median CPU time (some were twice
+  # the machine's rate) are not reused.
+  return f"{kind}|{_cpu_name()}|{os.cpu_count()} cores|{dtype_name}|jax {jax.__version__}|median"
 
 
 def best_measured_peak(key: str, measured: float) -> float:
@@ -211,8 +233,8 @@ def device_peak_flops(dtype_name: str = "float32") -> tuple[float, str]:
 
   $RLJAX_PEAK_FLOPS, when set, wins. Accelerators: the spec-sheet dense bf16 rate per chip (half
   of it for float32 on GPUs). CPUs and unknown devices: the best rate of a 1024^3 matmul on one
-  local device, timed now (fastest of 10 runs, by the wall clock or, on a CPU, by this process's
-  CPU time, whichever is higher: `matmul_rates`) or on an earlier run on this machine (cached in
+  local device, timed now (by the wall clock or, on a CPU, by this process's CPU time, whichever
+  is higher: `matmul_rates`) or on an earlier run on this machine (cached in
   `cache_dir()`, never lowered), whichever is higher; simulated CPU devices share their host's
   cores, so a CPU's rate is counted once per process (host), not per device. Timing by CPU time
   keeps a first measurement on a busy machine from caching a low peak (and MFU above 60% for
@@ -231,7 +253,7 @@ def device_peak_flops(dtype_name: str = "float32") -> tuple[float, str]:
   known = spec_peak(kind, dtype_name) if devices[0].platform != "cpu" else None
   if known is not None:
     return known[1] * len(devices), f"spec sheet ({kind}, {len(devices)} chips)"
-  wall, by_cpu = matmul_rates(dtype=jnp.dtype(dtype_name), iters=10)
+  wall, by_cpu = matmul_rates(dtype=jnp.dtype(dtype_name))
   measured = max(wall, by_cpu) if devices[0].platform == "cpu" else wall
   peak = best_measured_peak(_cache_key(f"{devices[0].platform}:{kind}", dtype_name), measured)
   count = jax.process_count() if devices[0].platform == "cpu" else len(devices)

@@ -50,7 +50,9 @@ def slow_verifier_module(tmp_path, monkeypatch):
 
 
 def test_verifier_that_always_times_out_gives_fallback_and_counts(tmp_path, slow_verifier_module):
-  cfg = smoke(tmp_path, "train.steps=2", "rewards.timeout_s=0.3", "rewards.fallback=-1.0")
+  # 2 prompts x 4 samples: every item waits out its timeout on the one worker (64 items took 45 s).
+  cfg = smoke(tmp_path, "train.steps=2", "train.prompts_per_step=2", "sampling.num_samples=4",
+              "rewards.timeout_s=0.3", "rewards.fallback=-1.0")
   cfg.rewards.components = [dict(name="slow", verifier=slow_verifier_module, weight=1.0)]
   summary = Trainer(cfg).run()
   metrics = read_metrics(summary["metrics_file"])
