@@ -54,8 +54,10 @@ def lora_delta(module: nn.Module, name: str, x, in_axes: tuple, out_shape: tuple
   if lora.dropout > 0 and module.has_rng("dropout"):
     keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - lora.dropout, x.shape)
     x = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
-  h = jnp.tensordot(x, a.astype(dt), axes=len(in_shape))             # [B, T, r]
-  return jnp.tensordot(h, b.astype(dt), axes=1) * jnp.asarray(lora.scale, dt)   # [B, T, *out]
+  tokens = x.reshape(x.shape[:2] + (math.prod(in_shape),))           # [B, T, in]
+  h = token_matmul(tokens, a.astype(dt).reshape(-1, lora.rank))       # [B, T, r]
+  y = token_matmul(h, b.astype(dt).reshape(lora.rank, -1))            # [B, T, out]
+  return y.reshape(x.shape[:2] + tuple(out_shape)) * jnp.asarray(lora.scale, dt)   # [B, T, *out]
 
 
 class RMSNorm(nn.Module):
