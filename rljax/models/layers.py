@@ -33,7 +33,7 @@ def lora_delta(module: nn.Module, name: str, x, in_axes: tuple, out_shape: tuple
   """The LoRA term (alpha / r) * (x A) B of projection `name`, or None (no adapter on it, or a
   parameter tree without adapters: the base model, e.g. the KL reference).
 
-  x: [B, T, *in] with in the kernel's input axes (named `in_axes`); A: [*in, r] float32,
+  x: [B, T, *in] (or [B*T, *in]) with in the kernel's input axes (named `in_axes`); A: [*in, r] float32,
   initialised like PEFT's (uniform, bound 1 / sqrt(fan_in)); B: [r, *out] float32, zeros, so a
   fresh adapter leaves the model unchanged. Both run in the compute dtype, like the kernels.
   With dropout, the input of A is dropped when a "dropout" rng is given (the learner's loss).
@@ -44,7 +44,8 @@ def lora_delta(module: nn.Module, name: str, x, in_axes: tuple, out_shape: tuple
     return None
   if not (module.is_initializing() or module.has_variable("params", a_name)):
     return None
-  in_shape = x.shape[2:]
+  lead = x.ndim - len(in_axes)                                       # token dims: [B, T] or [B*T]
+  in_shape = x.shape[lead:]
   fan_in_axes = tuple(range(len(in_shape)))
   a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=fan_in_axes, out_axis=-1)
   a = param(module, a_name, a_init, in_shape + (lora.rank,), in_axes + ("lora_rank",), jnp.float32)
@@ -54,10 +55,8 @@ def lora_delta(module: nn.Module, name: str, x, in_axes: tuple, out_shape: tuple
   if lora.dropout > 0 and module.has_rng("dropout"):
     keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - lora.dropout, x.shape)
     x = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
-  tokens = x.reshape(x.shape[:2] + (math.prod(in_shape),))           # [B, T, in]
-  h = token_matmul(tokens, a.astype(dt).reshape(-1, lora.rank))       # [B, T, r]
-  y = token_matmul(h, b.astype(dt).reshape(lora.rank, -1))            # [B, T, out]
-  return y.reshape(x.shape[:2] + tuple(out_shape)) * jnp.asarray(lora.scale, dt)   # [B, T, *out]
+  h = jnp.tensordot(x, a.astype(dt), axes=len(in_shape))             # [B, T, r]
+  return jnp.tensordot(h, b.astype(dt), axes=1) * jnp.asarray(lora.scale, dt)   # [B, T, *out]
 
 
 class RMSNorm(nn.Module):
@@ -99,17 +98,6 @@ def activation(config: ModelConfig):
   return jax.nn.silu if config.hidden_act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
 
 
-def token_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [..., K] @ w [K, N] -> [..., N] as one matmul over the flattened tokens [prod(...), K].
-
-  Same product; the why is the backward pass. The weight gradient of a [B, T, K] @ [K, N] is a
-  dot contracting both B and T, which XLA:CPU computes from a transposed copy of the output
-  gradient, fused into the producer's loop (a strided write: 1.5 s of an 11.5 s default-recipe
-  step, for the MLP's gate projection mostly); over the flattened tokens it is one plain dot.
-  """
-  return (x.reshape(-1, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[-1],))
-
-
 def gated_mlp(module: nn.Module, x: jax.Array, width: int | None = None) -> jax.Array:
   """down(act(x gate) * (x up)) with the kernels `gate_kernel` / `up_kernel` [D, F] and `down_kernel`
   [F, D] (F = width, default config.intermediate_size) created on `module`, and their LoRA
@@ -123,12 +111,18 @@ def gated_mlp(module: nn.Module, x: jax.Array, width: int | None = None) -> jax.
   down = param(module, "down_kernel", init, (f, c.hidden_size), ("mlp", "embed"), pdt)
 
   def project(name, inp, w, in_axis, out_axis):
-    y = token_matmul(inp, w.astype(dt))
+    y = inp @ w.astype(dt)
     delta = lora_delta(module, name, inp, (in_axis,), (w.shape[-1],), (out_axis,))
     return y if delta is None else y + delta
 
-  hidden = activation(c)(project("gate", x, gate, "embed", "mlp")) * project("up", x, up, "embed", "mlp")
-  return project("down", hidden, down, "mlp", "embed")
+  # The projections (and their adapters) multiply the flattened tokens [B*T, D]: the same products,
+  # but a weight gradient is then a dot over one token axis. Over [B, T] it contracts two axes, and
+  # XLA:CPU computed it from a transposed copy of the output gradient fused into the SiLU backward's
+  # loop (1.5 s of an 11.5 s default-recipe step; a LoRA B's gradient the same). Compiled for TPUs
+  # the peaks and collectives are unchanged (README: Performance).
+  tokens = x.reshape(-1, x.shape[-1])
+  hidden = activation(c)(project("gate", tokens, gate, "embed", "mlp")) * project("up", tokens, up, "embed", "mlp")
+  return project("down", hidden, down, "mlp", "embed").reshape(x.shape)
 
 
 class MLP(nn.Module):
