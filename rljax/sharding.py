@@ -335,7 +335,8 @@ def allgather_objects(obj: Any, timeout_s: float = 0.0) -> list[Any]:
   Small things only (it is one host collective per call, and every process must call it): the
   reward metrics of each process (`RewardFn.global_metrics`), a prompt width to agree on.
   timeout_s: how long to wait for the other processes (0: GATHER_TIMEOUT_S); past it, a
-  `GatherTimeout` names the processes that had not arrived.
+  `GatherTimeout` names the processes that had not arrived. Only the coordinator's key-value store
+  can time out: without a coordination client the fallback device all-gather waits as long as it takes.
   """
   if jax.process_count() == 1:
     return [obj]
